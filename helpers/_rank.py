@@ -1,0 +1,161 @@
+"""What runs inside each rank's process: capture output, join the group, call the worker, report.
+
+The parent side is `helpers.launch`; this module is preloaded by the forkserver so a launch costs a
+fork, not an `import torch`. Every rank sends exactly one message back on its pipe:
+``("ok", result_bytes)`` or ``("error", ExceptionReport)``, then leaves with `os._exit`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+@dataclass
+class Job:
+    """Everything a rank needs, pickled once by the parent and handed to every rank."""
+
+    payload: bytes  # cloudpickle of (fn, args, kwargs), shipped by value
+    world_size: int
+    backend: str
+    store_port: int
+    out_dir: str
+    timeout_s: float
+    threads_per_rank: int
+    environ: dict = field(default_factory=dict)  # the kernel's, as of this launch
+    sys_path: list = field(default_factory=list)
+    cwd: str = "."
+
+
+@dataclass
+class ExceptionReport:
+    """An exception raised in a rank, in a form the parent can always unpickle."""
+
+    type_name: str
+    message: str
+    frames: list  # (filename, lineno, function name), outermost first
+    raised_at: float  # time.time() when it was caught: the earliest one is the root cause
+
+
+def output_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.out")
+
+
+def stack_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.stack")
+
+
+def rank_main(rank: int, job: Job, result_conn) -> None:
+    """Entry point of one rank's process (called by torch.multiprocessing.start_processes)."""
+    os.setpgrp()  # own process group: the parent can kill this rank and anything it started
+    _capture_output(job.out_dir, rank)
+    os.environ.clear()
+    os.environ.update(job.environ)
+    sys.path[:] = job.sys_path
+    os.chdir(job.cwd)
+    torch.set_num_threads(job.threads_per_rank)
+    try:
+        fn, args, kwargs = cloudpickle.loads(job.payload)
+        _init_process_group(rank, job)
+        result = fn(rank, job.world_size, *args, **kwargs)
+        dist.destroy_process_group()
+        message = ("ok", _dumps_result(result))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        message = ("error", _report(exc))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        result_conn.send_bytes(pickle.dumps(message))
+    finally:
+        # Skip interpreter shutdown: torch's C++ destructors can abort after a DDP backward
+        # ("terminate called without an active exception") once the results are already out.
+        os._exit(0)
+
+
+def _capture_output(out_dir: str, rank: int) -> None:
+    """Send fd 1 and 2 (Python prints and C++ logs alike) to this rank's file; arm the stack dump."""
+    log_fd = os.open(output_path(out_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    # Kept open for the life of the process: faulthandler writes to its file descriptor.
+    stack_file = open(stack_path(out_dir, rank), "w")  # noqa: SIM115
+    faulthandler.register(STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
+
+
+def _init_process_group(rank: int, job: Job) -> None:
+    """Join the group through the parent's store: no port to pick, nothing to race for."""
+    timeout = timedelta(seconds=job.timeout_s)
+    store = dist.TCPStore(
+        "127.0.0.1", job.store_port, job.world_size, is_master=False, timeout=timeout
+    )
+    device_id = None
+    if job.backend == "nccl":
+        device_id = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        job.backend,
+        store=store,
+        rank=rank,
+        world_size=job.world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+
+
+class _ByValuePickler(cloudpickle.Pickler):
+    """cloudpickle, plus: tensors travel detached and on the CPU (never a CUDA or autograd handle)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):
+            return _identity, (obj.detach().cpu(),)
+        return super().reducer_override(obj)
+
+
+def _identity(value):
+    return value
+
+
+def dumps_by_value(value) -> bytes:
+    buffer = io.BytesIO()
+    _ByValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+class ResultNotPicklable(TypeError):
+    """The worker returned something that cannot travel back (a lock, a generator, an open file)."""
+
+
+def _dumps_result(result) -> bytes:
+    try:
+        return dumps_by_value(result)
+    except Exception as exc:
+        raise ResultNotPicklable(
+            f"the worker's return value cannot be sent back to the notebook ({exc}); "
+            "return plain data: tensors, numbers, lists, dicts, dataclasses"
+        ) from exc
+
+
+def _report(exc: BaseException) -> ExceptionReport:
+    frames = [
+        (frame.filename, frame.lineno, frame.name)
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if frame.filename != __file__
+    ]
+    return ExceptionReport(type(exc).__name__, str(exc), frames, time.time())

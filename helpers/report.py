@@ -1,0 +1,211 @@
+"""What the student reads after `helpers.run`: grouped output, tracebacks, where each rank hung.
+
+Everything here runs in the notebook kernel, on data the ranks sent back or left in files. Used by
+`helpers.launch`; shown first in notebooks/01_processes_and_groups.ipynb.
+"""
+
+from __future__ import annotations
+
+import html
+import linecache
+import os
+import re
+import signal
+import sysconfig
+
+import torch
+
+# gloo's own log lines: one per connection, plus the "Gloo" startup chatter. Not the student's.
+_NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<name>.+)$')
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+_HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
+_LAUNCHER_FILES = {os.path.join(_HELPERS_DIR, name) for name in ("_rank.py", "launch.py")}
+_REPR_LINES = 8
+
+
+class WorkerError(RuntimeError):
+    """A rank raised (or died). Names the root-cause rank, its exception and its traceback."""
+
+    def __init__(self, rank, type_name, message, traceback_text, summary):
+        self.rank, self.type_name, self.message = rank, type_name, message
+        self.traceback = traceback_text
+        super().__init__(summary)
+
+    @classmethod
+    def from_reports(cls, errors: dict, died: dict, outputs: list, world_size: int):
+        """Pick the root cause: a rank that died without a word, else the earliest exception.
+
+        When one rank fails, its peers fail a moment later ("Connection closed by peer"); those
+        are consequences, listed after the cause.
+        """
+        if died:
+            rank = min(died)
+            type_name, message = "died", _death(died[rank])
+            traceback_text = _tail(outputs[rank])
+        else:
+            rank = min(errors, key=lambda r: errors[r].raised_at)
+            error = errors[rank]
+            type_name, message = error.type_name, error.message
+            traceback_text = format_traceback(error.frames, type_name, message, rank)
+        head = f"rank {rank} {message}" if died else f"rank {rank} raised {type_name}: {message}"
+        lines = [head, "", traceback_text]
+        others = []
+        for other in range(world_size):
+            if other == rank:
+                continue
+            if other in errors:
+                others.append(f"  rank {other} raised {errors[other].type_name}: "
+                              f"{tidy_message(errors[other].message)}")
+            elif other in died:
+                others.append(f"  rank {other} {_death(died[other])}")
+        if others:
+            lines += ["", f"Then, as a consequence of rank {rank}'s failure:", *others]
+        return cls(rank, type_name, message, traceback_text, "\n".join(lines))
+
+
+class WorkerTimeout(TimeoutError):
+    """The run outlived its timeout. Says where each unfinished rank was blocked."""
+
+    def __init__(self, timeout, stacks: dict, messages: dict, died: dict, world_size: int):
+        self.timeout, self.stacks = timeout, stacks
+        self.where = {rank: where_blocked(text) for rank, text in stacks.items()}
+        lines = [f"run() did not finish within {timeout:g} s, so every rank was stopped. "
+                 "Where each rank was:"]
+        for rank in range(world_size):
+            if rank in self.where:
+                lines.append(f"  rank {rank}: {self.where[rank]}")
+            elif rank in died:
+                lines.append(f"  rank {rank}: {_death(died[rank])}")
+            elif messages.get(rank, ("ok",))[0] == "error":
+                lines.append(f"  rank {rank}: raised {messages[rank][1].type_name}: "
+                             f"{tidy_message(messages[rank][1].message)}")
+            else:
+                lines.append(f"  rank {rank}: finished")
+        super().__init__("\n".join(lines))
+
+
+def read_outputs(out_dir: str, world_size: int) -> list:
+    """Each rank's captured stdout+stderr, gloo's connection lines removed."""
+    outputs = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.out")
+        text = ""
+        if os.path.exists(path):
+            with open(path, errors="replace") as captured:
+                text = captured.read()
+        outputs.append("".join(
+            line for line in text.splitlines(keepends=True) if not _NOISE.match(line)
+        ))
+    return outputs
+
+
+def print_outputs(outputs: list) -> None:
+    """Print every rank's output, grouped by rank in rank order, each line tagged with its rank."""
+    for rank, text in enumerate(outputs):
+        for line in text.splitlines():
+            print(f"[rank {rank}] {line}")
+
+
+def format_traceback(frames, type_name, message, rank) -> str:
+    lines = [f"Traceback from rank {rank} (most recent call last):"]
+    for filename, lineno, name in frames:
+        lines.append(f'  File "{display_filename(filename)}", line {lineno}, in {name}')
+        source = linecache.getline(filename, lineno).strip()
+        if source:
+            lines.append(f"    {source}")
+    lines.append(f"{type_name}: {message}")
+    return "\n".join(lines)
+
+
+def where_blocked(stack_dump: str) -> str:
+    """Turn a faulthandler dump into 'in torch.distributed.send(), called from <file>:<line>'."""
+    frames = [  # most recent call first, as faulthandler writes them
+        (m["file"], int(m["line"]), m["name"])
+        for m in map(_FRAME.match, stack_dump.splitlines()) if m
+    ]
+    user = next(
+        (i for i, (path, _, _) in enumerate(frames) if _is_user_code(path)), None
+    )
+    if user is None:
+        return "no Python stack could be read (the rank was starting or exiting)"
+    path, lineno, name = frames[user]
+    torch_calls = [
+        f for f in frames[:user] if f[0].startswith(_TORCH_DIR)
+        and not f[2].startswith("_") and f[2] not in ("wrapper", "inner")
+    ]
+    call = f"blocked in {_torch_name(*torch_calls[-1])}(), called from" if torch_calls else "in"
+    where = f'{call} {name} at "{display_filename(path)}", line {lineno}'
+    source = linecache.getline(path, lineno).strip()
+    return f"{where}: {source}" if source else where
+
+
+def _is_user_code(path: str) -> bool:
+    return not (
+        path.startswith((_TORCH_DIR, _STDLIB_DIR)) or path in _LAUNCHER_FILES or path == "<string>"
+    )
+
+
+def _torch_name(path: str, _lineno: int, name: str) -> str:
+    module = os.path.relpath(path, os.path.dirname(_TORCH_DIR))[:-3].replace(os.sep, ".")
+    if module.startswith("torch.distributed.distributed_c10d"):
+        module = "torch.distributed"
+    return f"{module}.{name}"
+
+
+def display_filename(path: str) -> str:
+    """'Cell In[7]' for notebook cells, 'helpers/x.py' for the package, else the path."""
+    try:
+        cell = get_ipython().compile._filename_map.get(path)  # noqa: F821 - IPython builtin
+        if cell is not None:
+            return f"Cell In[{cell}]"
+    except (NameError, AttributeError):
+        pass
+    if path.startswith(_HELPERS_DIR):
+        return os.path.relpath(path, os.path.dirname(_HELPERS_DIR))
+    return path
+
+
+def tidy_message(message: str) -> str:
+    """First line, without gloo's source location and peer port (they change every run)."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    first = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)
+    return re.sub(r"(\[[0-9a-fA-F.:]+\]):\d+", r"\1", first)
+
+
+def _death(exitcode) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"died from signal {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode} without returning"
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    kept = text.rstrip().splitlines()[-lines:]
+    return "Its last output:\n" + "\n".join(f"  {line}" for line in kept) if kept else ""
+
+
+def format_results(results: list, backend: str) -> str:
+    lines = [f"RunResult: {len(results)} ranks, {backend}"]
+    for rank, value in enumerate(results):
+        text = _short_repr(value).splitlines() or [""]
+        lines.append(f"  rank {rank}: {text[0]}")
+        lines += [f"          {line}" for line in text[1:]]
+    return "\n".join(lines)
+
+
+def results_html(results: list, backend: str) -> str:
+    rows = "".join(
+        f"<tr><td style='text-align:right'>rank {rank}</td>"
+        f"<td style='text-align:left'><pre style='margin:0'>{html.escape(_short_repr(value))}</pre></td></tr>"
+        for rank, value in enumerate(results)
+    )
+    return (f"<div><b>RunResult</b>: {len(results)} ranks, {html.escape(backend)}"
+            f"<table>{rows}</table></div>")
+
+
+def _short_repr(value) -> str:
+    lines = repr(value).splitlines()
+    if len(lines) > _REPR_LINES:
+        lines = lines[:_REPR_LINES] + [f"... ({len(lines) - _REPR_LINES} more lines)"]
+    return "\n".join(lines)
