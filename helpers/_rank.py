@@ -1,8 +1,9 @@
 """What runs inside each rank's process: capture output, join the group, call the worker, report.
 
 The parent side is `helpers.launch`; this module is preloaded by the forkserver so a launch costs a
-fork, not an `import torch`. Every rank sends exactly one message back on its pipe:
-``("ok", result_bytes)`` or ``("error", ExceptionReport)``, then leaves with `os._exit`.
+fork, not an `import torch`. Every rank sends exactly one message back on its pipe, then leaves with `os._exit`:
+``("ok", result_bytes)``, ``("error", ExceptionReport)`` when the worker raised, or
+``("init_error", ExceptionReport)`` when joining the process group failed (before the worker ran).
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ class Job:
     payload: bytes  # cloudpickle of (fn, args, kwargs), shipped by value
     world_size: int
     backend: str
-    store_port: int
     out_dir: str
     timeout_s: float
     threads_per_rank: int
     environ: dict = field(default_factory=dict)  # the kernel's, as of this launch
     sys_path: list = field(default_factory=list)
     cwd: str = "."
+    attempt: int = 0  # a join that failed is made again with a fresh store file
 
 
 @dataclass
@@ -53,6 +54,10 @@ class ExceptionReport:
 
 def output_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.out")
+
+
+def store_path(out_dir: str, attempt: int) -> str:
+    return os.path.join(out_dir, f"store{attempt}")
 
 
 def stack_path(out_dir: str, rank: int) -> str:
@@ -70,12 +75,22 @@ def rank_main(rank: int, job: Job, result_conn) -> None:
     torch.set_num_threads(job.threads_per_rank)
     try:
         fn, args, kwargs = cloudpickle.loads(job.payload)
+    except BaseException as exc:  # noqa: BLE001
+        _send_and_exit(result_conn, ("error", _report(exc)))
+    try:
         _init_process_group(rank, job)
+    except BaseException as exc:  # noqa: BLE001 - the launcher may retry a failed join
+        _send_and_exit(result_conn, ("init_error", _report(exc)))
+    try:
         result = fn(rank, job.world_size, *args, **kwargs)
         dist.destroy_process_group()
         message = ("ok", _dumps_result(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         message = ("error", _report(exc))
+    _send_and_exit(result_conn, message)
+
+
+def _send_and_exit(result_conn, message) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -100,11 +115,15 @@ def _capture_output(out_dir: str, rank: int) -> None:
 
 
 def _init_process_group(rank: int, job: Job) -> None:
-    """Join the group through the parent's store: no port to pick, nothing to race for."""
+    """Join the group through a FileStore in this run's private directory.
+
+    Not a TCPStore: its client and server look up a host name for every connection (to log the
+    peer as ::ffff:127.0.0.1, which /etc/hosts does not list), and when that DNS query goes
+    unanswered the resolver waits 5 s. A file needs no port, no DNS and no network interface.
+    """
     timeout = timedelta(seconds=job.timeout_s)
-    store = dist.TCPStore(
-        "127.0.0.1", job.store_port, job.world_size, is_master=False, timeout=timeout
-    )
+    store = dist.FileStore(store_path(job.out_dir, job.attempt), job.world_size)
+    store.set_timeout(timeout)
     device_id = None
     if job.backend == "nccl":
         device_id = torch.device("cuda", rank % torch.cuda.device_count())

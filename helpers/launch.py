@@ -4,7 +4,8 @@ Every notebook uses this (first: notebooks/01_processes_and_groups.ipynb). One c
 
 1. checks its arguments and pickles `(fn, args, kwargs)` by value with cloudpickle, so a worker
    written in a notebook cell runs, before any process starts;
-2. opens a TCP store on 127.0.0.1, port 0 (the OS picks a free one: no fixed port, no collisions);
+2. makes a private temp dir: the ranks rendezvous through a file store there (no port, no DNS)
+   and leave their output in it; it is removed when the call returns;
 3. starts the ranks with `torch.multiprocessing.start_processes` from a forkserver that has already
    imported torch, so a launch is a fork (~0.1 s) rather than an interpreter start (~3 s);
 4. drains every rank's pipe while it waits (results of any size; no full-pipe deadlock);
@@ -27,7 +28,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import cloudpickle
 import torch
@@ -43,6 +43,10 @@ START_METHODS = ("forkserver", "spawn")
 # After the first failure, how long the other ranks get to report their own errors (they usually
 # fail a moment later with "Connection closed by peer") before they are stopped.
 ERROR_GRACE_S = 1.0
+# gloo's full-mesh connect sometimes fails with "Connection closed by peer" while the ranks join
+# (2 launches in 500 here). It happens before any worker code runs on that rank, so the launch is
+# simply made again, at once; a join that keeps failing is reported like any other error.
+JOIN_RETRIES = 2
 STACK_DUMP_WAIT_S = 1.0
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "helpers._rank"]
 
@@ -115,20 +119,21 @@ def run(
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
 
     started = time.monotonic()
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout),
-    )
     out_dir = tempfile.mkdtemp(prefix="helpers-run-")
     job = _rank.Job(
-        payload=payload, world_size=world_size, backend=backend, store_port=store.port,
+        payload=payload, world_size=world_size, backend=backend,
         out_dir=out_dir, timeout_s=timeout, threads_per_rank=threads,
         environ=_rank_environ(), sys_path=list(sys.path), cwd=os.getcwd(),
     )
     processes, connections = [], []
     try:
-        processes, connections = _start(job, start_method)
-        messages, died, unfinished = _collect(processes, connections, started + timeout)
+        for job.attempt in range(1 + JOIN_RETRIES):
+            processes, connections = _start(job, start_method)
+            messages, died, unfinished = _collect(processes, connections, started + timeout)
+            if not _join_failed(messages) or job.attempt == JOIN_RETRIES:
+                break
+            _stop(processes, connections)
+            report.clear_outputs(out_dir, world_size)
         stacks = _dump_stacks(processes, unfinished, out_dir) if unfinished else {}
         outputs = report.read_outputs(out_dir, world_size)
         if show_output:
@@ -138,10 +143,7 @@ def run(
         results = _unpack(messages, died, outputs)
         return RunResult(results, outputs, backend, time.monotonic() - started)
     finally:
-        _stop(processes)
-        for connection in connections:
-            connection.close()
-        del store
+        _stop(processes, connections)
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
@@ -245,8 +247,10 @@ def _collect(processes, connections, deadline):
             except EOFError:  # ended without a word: killed by a signal, or os._exit
                 processes[rank].join(1)
                 died[rank] = processes[rank].exitcode
-            if (rank in died or messages[rank][0] == "error") and first_error is None:
-                first_error = time.monotonic()
+            if rank in died or messages[rank][0] != "ok":
+                if messages.get(rank, ("",))[0] == "init_error":
+                    return messages, died, []  # no worker code has run there: retry at once
+                first_error = first_error if first_error is not None else time.monotonic()
     timed_out = first_error is None and pending
     return messages, died, sorted(pending.values()) if timed_out else []
 
@@ -274,16 +278,18 @@ def _dump_stacks(processes, ranks, out_dir) -> dict:
 
 
 def _unpack(messages, died, outputs):
-    errors = {
-        rank: message[1] for rank, message in messages.items() if message[0] == "error"
-    }
+    errors = {rank: message[1] for rank, message in messages.items() if message[0] != "ok"}
     if errors or died:
         raise WorkerError.from_reports(errors, died, outputs, len(outputs))
     return [cloudpickle.loads(messages[rank][1]) for rank in range(len(outputs))]
 
 
-def _stop(processes):
-    """Kill whatever is still running (the rank and anything it started), then reap it."""
+def _join_failed(messages) -> bool:
+    return any(kind == "init_error" for kind, _ in messages.values())
+
+
+def _stop(processes, connections):
+    """Kill whatever is still running (the rank and anything it started), reap it, close pipes."""
     for process in processes:
         if process.is_alive():
             try:
@@ -293,3 +299,5 @@ def _stop(processes):
     for process in processes:
         process.join(5)
         process.close()
+    for connection in connections:
+        connection.close()

@@ -78,7 +78,7 @@ class WorkerTimeout(TimeoutError):
                 lines.append(f"  rank {rank}: {self.where[rank]}")
             elif rank in died:
                 lines.append(f"  rank {rank}: {_death(died[rank])}")
-            elif messages.get(rank, ("ok",))[0] == "error":
+            elif messages.get(rank, ("ok",))[0] != "ok":
                 lines.append(f"  rank {rank}: raised {messages[rank][1].type_name}: "
                              f"{tidy_message(messages[rank][1].message)}")
             else:
@@ -99,6 +99,15 @@ def read_outputs(out_dir: str, world_size: int) -> list:
             line for line in text.splitlines(keepends=True) if not _NOISE.match(line)
         ))
     return outputs
+
+
+def clear_outputs(out_dir: str, world_size: int) -> None:
+    """Forget a discarded attempt's output (the launch is being made again)."""
+    for rank in range(world_size):
+        for suffix in (".out", ".stack"):
+            path = os.path.join(out_dir, f"rank{rank}{suffix}")
+            if os.path.exists(path):
+                os.remove(path)
 
 
 def print_outputs(outputs: list) -> None:
@@ -168,8 +177,9 @@ def display_filename(path: str) -> str:
 
 
 def tidy_message(message: str) -> str:
-    """First line, without gloo's source location and peer port (they change every run)."""
+    """First sentence, without gloo's source location and peer port (they change every run)."""
     first = message.strip().splitlines()[0] if message.strip() else ""
+    first = first.split(". ")[0]
     first = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)
     return re.sub(r"(\[[0-9a-fA-F.:]+\]):\d+", r"\1", first)
 
