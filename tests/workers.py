@@ -1,0 +1,78 @@
+"""Worker functions for tests/test_launch.py, in a module that imports only torch.
+
+Every rank imports the module that defines its worker, so keeping this one light keeps each
+launch at a fork (test_launch.py itself imports pytest and psutil).
+"""
+
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from helpers import get_device
+
+
+def all_reduce_worker(rank, world_size, base):
+    tensor = torch.arange(4, dtype=torch.float64) * (rank + 1) + base
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def kwargs_worker(rank, world_size, *, scale, offset=0):
+    return {"rank": rank, "world_size": world_size, "value": rank * scale + offset}
+
+
+def big_result_worker(rank, world_size, megabytes):
+    generator = torch.Generator().manual_seed(rank)
+    return torch.randn(megabytes * 2**20 // 4, generator=generator)
+
+
+def grad_worker(rank, world_size):
+    weight = torch.nn.Parameter(torch.full((3,), float(rank)))
+    loss = (weight * 2).sum()
+    loss.backward()
+    return {"weight": weight, "grad": weight.grad, "activation": weight * 3}
+
+
+def printing_worker(rank, world_size):
+    print(f"line one from rank {rank}")
+    print(f"to stderr from rank {rank}", file=sys.stderr)
+    os.write(1, f"raw fd write from rank {rank}\n".encode())
+    return rank
+
+
+def device_worker(rank, world_size):
+    return str(get_device(rank)), torch.get_num_threads()
+
+
+def raise_on_rank(rank, world_size, failing_rank):
+    if rank == failing_rank:
+        raise ValueError(f"rank {rank} refuses")
+    tensor = torch.zeros(1)
+    dist.all_reduce(tensor)  # the others wait for the failing rank and fail as a consequence
+    return tensor
+
+
+def abort_on_rank_one(rank, world_size):
+    if rank == 1:
+        os.abort()
+    dist.barrier()
+
+
+def unpicklable_result_worker(rank, world_size):
+    return threading.Lock()
+
+
+def send_first_worker(rank, world_size):
+    tensor = torch.zeros(4)
+    dist.send(tensor, dst=1 - rank)  # both ranks send first: each waits for a recv that never comes
+    dist.recv(tensor, src=1 - rank)
+
+
+def spin_worker(rank, world_size):
+    if rank == 0:
+        return "done"
+    while True:
+        pass
