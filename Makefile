@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
-NOTEBOOKS := $(sorted $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
 .PHONY: setup lab test notebooks benchmark clean
 
@@ -19,8 +19,7 @@ lab: setup
 
 # Unit tests, then every notebook re-executed and compared with its committed outputs (nbval).
 test: setup
-	$(PY) -m pytest tests
-	$(PY) -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(NOTEBOOKS)
+	$(PY) -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg tests $(NOTEBOOKS)
 
 # Re-execute every notebook in place: the committed outputs are nbval's reference.
 notebooks: setup

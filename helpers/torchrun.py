@@ -55,7 +55,8 @@ def main(argv=None) -> None:
     fn = getattr(importlib.import_module(module_name), function_name)
     out = run_in_place(fn, backend=options.backend)
     rank = int(os.environ["RANK"])
-    print(f"[rank {rank}] device={get_device(rank)} result={out.results[rank]!r}", flush=True)
+    line = f"[rank {rank}] device={get_device(rank)} result={out.results[rank]!r}\n"
+    os.write(1, line.encode())  # one write: the ranks share this stdout, lines must not interleave
 
 
 if __name__ == "__main__":
