@@ -83,7 +83,8 @@ def rank_main(rank: int, job: Job, result_conn) -> None:
         _send_and_exit(result_conn, ("init_error", _report(exc)))
     try:
         result = fn(rank, job.world_size, *args, **kwargs)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the worker may have left the group itself
+            dist.destroy_process_group()
         message = ("ok", _dumps_result(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         message = ("error", _report(exc))

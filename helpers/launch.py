@@ -58,7 +58,6 @@ class RunResult:
     results: list
     stdout: list
     backend: str
-    seconds: float
 
     def __getitem__(self, rank):
         return self.results[rank]
@@ -106,12 +105,13 @@ def run(
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks and return every result.
 
     `timeout` (seconds) bounds the whole call; `show_output=False` keeps the ranks' output in
-    `out.stdout` without printing it.
+    `out.stdout` without printing it. Raises `WorkerError` if a rank raises or dies, and
+    `WorkerTimeout` if the run outlives `timeout`; in every case no rank survives the call.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from helpers.torchrun import run_in_place
 
-        return run_in_place(fn, args, kwargs or {}, backend)
+        return run_in_place(fn, args, kwargs or {}, backend, timeout)
     kwargs = {} if kwargs is None else kwargs
     backend = backend or default_backend(world_size)
     _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_method)
@@ -141,7 +141,7 @@ def run(
         if unfinished:
             raise WorkerTimeout(timeout, stacks, messages, died, world_size)
         results = _unpack(messages, died, outputs)
-        return RunResult(results, outputs, backend, time.monotonic() - started)
+        return RunResult(results, outputs, backend)
     finally:
         _stop(processes, connections)
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -280,7 +280,8 @@ def _dump_stacks(processes, ranks, out_dir) -> dict:
 def _unpack(messages, died, outputs):
     errors = {rank: message[1] for rank, message in messages.items() if message[0] != "ok"}
     if errors or died:
-        raise WorkerError.from_reports(errors, died, outputs, len(outputs))
+        finished = sorted(rank for rank, message in messages.items() if message[0] == "ok")
+        raise WorkerError.from_reports(errors, died, finished, outputs, len(outputs))
     return [cloudpickle.loads(messages[rank][1]) for rank in range(len(outputs))]
 
 

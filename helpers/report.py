@@ -26,43 +26,45 @@ _REPR_LINES = 8
 
 
 class WorkerError(RuntimeError):
-    """A rank raised (or died). Names the root-cause rank, its exception and its traceback."""
+    """A rank raised (or died). Names the root-cause rank, its exception and its traceback.
 
-    def __init__(self, rank, type_name, message, traceback_text, summary):
+    `others` maps every other rank that raised or died to what it reported: usually a consequence
+    ("Connection closed by peer"), kept out of the message because it varies from run to run.
+    """
+
+    def __init__(self, rank, type_name, message, traceback_text, others, summary):
         self.rank, self.type_name, self.message = rank, type_name, message
-        self.traceback = traceback_text
+        self.traceback, self.others = traceback_text, others
         super().__init__(summary)
 
     @classmethod
-    def from_reports(cls, errors: dict, died: dict, outputs: list, world_size: int):
+    def from_reports(cls, errors: dict, died: dict, finished: list, outputs: list, world_size: int):
         """Pick the root cause: a rank that died without a word, else the earliest exception.
 
-        When one rank fails, its peers fail a moment later ("Connection closed by peer"); those
-        are consequences, listed after the cause.
+        When one rank fails, its peers fail a moment later ("Connection closed by peer"), or wait
+        until they are stopped; those are consequences.
         """
         if died:
             rank = min(died)
             type_name, message = "died", _death(died[rank])
             traceback_text = _tail(outputs[rank])
+            head = f"rank {rank} {message}"
         else:
             rank = min(errors, key=lambda r: errors[r].raised_at)
-            error = errors[rank]
-            type_name, message = error.type_name, error.message
-            traceback_text = format_traceback(error.frames, type_name, message, rank)
-        head = f"rank {rank} {message}" if died else f"rank {rank} raised {type_name}: {message}"
+            type_name, message = errors[rank].type_name, errors[rank].message
+            traceback_text = format_traceback(errors[rank].frames, type_name, message, rank)
+            head = f"rank {rank} raised {type_name}: {message}"
+        others = {r: _death(code) for r, code in died.items() if r != rank}
+        others.update({r: f"{e.type_name}: {tidy_message(e.message)}"
+                       for r, e in errors.items() if r != rank})
         lines = [head, "", traceback_text]
-        others = []
-        for other in range(world_size):
-            if other == rank:
-                continue
-            if other in errors:
-                others.append(f"  rank {other} raised {errors[other].type_name}: "
-                              f"{tidy_message(errors[other].message)}")
-            elif other in died:
-                others.append(f"  rank {other} {_death(died[other])}")
-        if others:
-            lines += ["", f"Then, as a consequence of rank {rank}'s failure:", *others]
-        return cls(rank, type_name, message, traceback_text, "\n".join(lines))
+        stopped = [r for r in range(world_size) if r != rank and r not in finished]
+        if stopped:
+            lines += ["", f"{_ranks(stopped)} stopped or failed after rank {rank} "
+                          "(what they reported is in this error's .others)."]
+        if finished:
+            lines += [f"{_ranks(finished)} had finished."]
+        return cls(rank, type_name, message, traceback_text, others, "\n".join(lines))
 
 
 class WorkerTimeout(TimeoutError):
@@ -166,9 +168,9 @@ def _torch_name(path: str, _lineno: int, name: str) -> str:
 def display_filename(path: str) -> str:
     """'Cell In[7]' for notebook cells, 'helpers/x.py' for the package, else the path."""
     try:
-        cell = get_ipython().compile._filename_map.get(path)  # noqa: F821 - IPython builtin
-        if cell is not None:
-            return f"Cell In[{cell}]"
+        cell = get_ipython().compile.format_code_name(path)  # noqa: F821 - IPython builtin
+        if cell:
+            return " ".join(cell)  # ("Cell", "In[7]")
     except (NameError, AttributeError):
         pass
     if path.startswith(_HELPERS_DIR):
@@ -182,6 +184,10 @@ def tidy_message(message: str) -> str:
     first = first.split(". ")[0]
     first = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)
     return re.sub(r"(\[[0-9a-fA-F.:]+\]):\d+", r"\1", first)
+
+
+def _ranks(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _death(exitcode) -> str:

@@ -38,7 +38,7 @@ def run_in_place(fn, args=(), kwargs=None, backend=None, timeout=1800) -> RunRes
             result = result.detach().cpu()
         results = [None] * world_size
         dist.all_gather_object(results, result)
-        return RunResult(results, [""] * world_size, dist.get_backend(), 0.0)
+        return RunResult(results, [""] * world_size, dist.get_backend())
     finally:
         if owns_group:
             dist.destroy_process_group()

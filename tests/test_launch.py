@@ -101,6 +101,9 @@ def test_exception_names_rank_and_original_message(failing_rank):
     text = str(error)
     assert text.startswith(f"rank {failing_rank} raised ValueError: rank {failing_rank} refuses")
     assert "in raise_on_rank" in text and 'raise ValueError(f"rank {rank} refuses")' in text
+    others = [rank for rank in range(3) if rank != failing_rank]
+    assert f"ranks {others[0]}, {others[1]} stopped or failed after rank {failing_rank}" in text
+    assert set(error.others) <= set(others)
 
 
 def test_a_rank_killed_by_a_signal_is_the_root_cause():
