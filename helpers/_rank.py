@@ -72,6 +72,7 @@ def rank_main(rank: int, job: Job, result_conn) -> None:
     os.environ.update(job.environ)
     sys.path[:] = job.sys_path
     os.chdir(job.cwd)
+    dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG was read when the forkserver started
     torch.set_num_threads(job.threads_per_rank)
     try:
         fn, args, kwargs = cloudpickle.loads(job.payload)

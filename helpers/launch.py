@@ -101,11 +101,13 @@ def run(
     start_method: str = "forkserver",
     threads_per_rank: int | None = None,
     show_output: bool = True,
+    env: dict | None = None,
 ) -> RunResult:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks and return every result.
 
     `timeout` (seconds) bounds the whole call; `show_output=False` keeps the ranks' output in
-    `out.stdout` without printing it. Raises `WorkerError` if a rank raises or dies, and
+    `out.stdout` without printing it. `env` adds environment variables for the ranks only, set
+    before they join the group (e.g. {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}). Raises `WorkerError` if a rank raises or dies, and
     `WorkerTimeout` if the run outlives `timeout`; in every case no rank survives the call.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -114,7 +116,7 @@ def run(
         return run_in_place(fn, args, kwargs or {}, backend, timeout)
     kwargs = {} if kwargs is None else kwargs
     backend = backend or default_backend(world_size)
-    _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_method)
+    _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_method, env)
     payload = _pickle_payload(fn, args, kwargs)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
 
@@ -123,7 +125,7 @@ def run(
     job = _rank.Job(
         payload=payload, world_size=world_size, backend=backend,
         out_dir=out_dir, timeout_s=timeout, threads_per_rank=threads,
-        environ=_rank_environ(), sys_path=list(sys.path), cwd=os.getcwd(),
+        environ=_rank_environ(env or {}), sys_path=list(sys.path), cwd=os.getcwd(),
     )
     processes, connections = [], []
     try:
@@ -147,7 +149,7 @@ def run(
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
-def _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_method):
+def _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_method, env):
     if not callable(fn):
         raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -160,6 +162,8 @@ def _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_metho
         raise TypeError(f"args must be a tuple of extra arguments, got {type(args).__name__}")
     if not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    if env is not None and not isinstance(env, dict):
+        raise TypeError(f"env must be a dict of environment variables, got {type(env).__name__}")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if backend not in BACKENDS:
@@ -182,9 +186,10 @@ def _pickle_payload(fn, args, kwargs) -> bytes:
         ) from exc
 
 
-def _rank_environ() -> dict:
-    """The kernel's environment now (the forkserver's is from its start), gloo kept on loopback."""
-    environ = dict(os.environ)
+def _rank_environ(extra: dict) -> dict:
+    """The kernel's environment now (the forkserver's is from its start) plus `extra`, gloo kept
+    on loopback."""
+    environ = {**os.environ, **{name: str(value) for name, value in extra.items()}}
     loopback = _loopback_interface()
     if loopback:
         environ.setdefault("GLOO_SOCKET_IFNAME", loopback)

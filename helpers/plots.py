@@ -1,6 +1,7 @@
 """Pictures of what the ranks returned, drawn in the notebook kernel (workers never plot).
 
 Lesson 01 (notebooks/01_processes_and_groups.ipynb): threads vs processes, group membership.
+Lesson 02 (notebooks/02_point_to_point.ipynb): the send/recv chain, per-rank timelines.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch
 
 GROUP_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
+EVENT_COLORS = {"compute": "#55A868", "send": "#4C72B0", "recv": "#4C72B0", "isend": "#8172B3",
+                "irecv": "#8172B3", "wait": "#C44E52"}
 
 
 def plot_threads_vs_processes(timings: dict, cores: int):
@@ -79,3 +82,42 @@ def _rank_box(ax, slot, y, color, label, edge=None):
                                 alpha=0.85, edgecolor=edge or "white", linewidth=4 if edge else 1))
     ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", color="white", fontsize=9,
             fontweight="bold")
+
+
+def plot_chain(results: list):
+    """The send/recv chain: what each rank received from its left and holds after doubling."""
+    fig, ax = plt.subplots(figsize=(2.2 * len(results) + 0.5, 2.4))
+    for rank, item in enumerate(results):
+        values = ", ".join(f"{v:g}" for v in item["holds"].tolist())
+        _rank_box(ax, rank * 1.5, 0, GROUP_COLORS[0], f"rank {rank}\nholds\n[{values}]")
+        if rank:
+            ax.annotate("", xy=(rank * 1.8, 0.5), xytext=(rank * 1.8 - 0.6, 0.5),
+                        arrowprops={"arrowstyle": "->", "lw": 2})
+            ax.text(rank * 1.8 - 0.3, 0.62, "send", ha="center", fontsize=8)
+    ax.set_xlim(-0.2, 1.8 * len(results))
+    ax.set_ylim(-0.2, 1.2)
+    ax.set_title("Each rank receives from its left, doubles, and sends to its right")
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def plot_timelines(runs: dict):
+    """Gantt charts, one per run: a row per rank, a bar per (label, start_s, end_s) event."""
+    fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
+                             figsize=(8, 0.9 * sum(len(t) for t in runs.values()) + 1.2))
+    for ax, (name, per_rank) in zip(axes[:, 0], runs.items()):
+        for rank, events in enumerate(per_rank):
+            for label, start, end in events:
+                ax.barh(rank, (end - start) * 1e3, left=start * 1e3, height=0.6,
+                        color=EVENT_COLORS.get(label, "#937860"), edgecolor="white")
+                if (end - start) * 1e3 > 8:
+                    ax.text((start + end) / 2 * 1e3, rank, label, ha="center", va="center",
+                            color="white", fontsize=8)
+        finished = max(end for events in per_rank for _, _, end in events)
+        ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: both ranks done after {finished * 1e3:.0f} ms", fontsize=10)
+    axes[-1, 0].set_xlabel("time since the common start (ms)")
+    fig.tight_layout()
+    return fig

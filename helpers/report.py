@@ -17,12 +17,18 @@ import torch
 
 # gloo's own log lines: one per connection, plus the "Gloo" startup chatter. Not the student's.
 _NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# torch's C++ log prefix, e.g. "[rank0]:[E1122 14:24:43.236103785 ProcessGroupGloo.cpp:67] ".
+_CPP_LOG_PREFIX = re.compile(r"^(\[rank\d+\]:)?\[[EWIF]\d{4} [\d:.]+ [\w.]+:\d+\] ")
+# gloo's source location and the peer's port: they change with every build and every run.
+_GLOO_SOURCE = re.compile(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*")
+_PEER_PORT = re.compile(r"(\[[0-9a-fA-F.:]+\]):\d+")
 _FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<name>.+)$')
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 _HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
 _LAUNCHER_FILES = {os.path.join(_HELPERS_DIR, name) for name in ("_rank.py", "launch.py")}
 _REPR_LINES = 8
+SIMULTANEOUS_S = 0.05
 
 
 class WorkerError(RuntimeError):
@@ -39,7 +45,8 @@ class WorkerError(RuntimeError):
 
     @classmethod
     def from_reports(cls, errors: dict, died: dict, finished: list, outputs: list, world_size: int):
-        """Pick the root cause: a rank that died without a word, else the earliest exception.
+        """Pick the root cause: a rank that died without a word, else the earliest exception that
+        does not merely echo a peer's failure.
 
         When one rank fails, its peers fail a moment later ("Connection closed by peer"), or wait
         until they are stopped; those are consequences.
@@ -50,8 +57,8 @@ class WorkerError(RuntimeError):
             traceback_text = _tail(outputs[rank])
             head = f"rank {rank} {message}"
         else:
-            rank = min(errors, key=lambda r: errors[r].raised_at)
-            type_name, message = errors[rank].type_name, errors[rank].message
+            rank = _root_cause(errors)
+            type_name, message = errors[rank].type_name, stable_message(errors[rank].message)
             traceback_text = format_traceback(errors[rank].frames, type_name, message, rank)
             head = f"rank {rank} raised {type_name}: {message}"
         others = {r: _death(code) for r, code in died.items() if r != rank}
@@ -98,7 +105,8 @@ def read_outputs(out_dir: str, world_size: int) -> list:
             with open(path, errors="replace") as captured:
                 text = captured.read()
         outputs.append("".join(
-            line for line in text.splitlines(keepends=True) if not _NOISE.match(line)
+            _CPP_LOG_PREFIX.sub("", line)
+            for line in text.splitlines(keepends=True) if not _NOISE.match(line)
         ))
     return outputs
 
@@ -120,12 +128,23 @@ def print_outputs(outputs: list) -> None:
 
 
 def format_traceback(frames, type_name, message, rank) -> str:
+    """Like Python's traceback, but each run of frames inside torch is one line of function names
+    (their paths and line numbers say nothing to a student and differ from machine to machine)."""
     lines = [f"Traceback from rank {rank} (most recent call last):"]
-    for filename, lineno, name in frames:
-        lines.append(f'  File "{display_filename(filename)}", line {lineno}, in {name}')
-        source = linecache.getline(filename, lineno).strip()
-        if source:
-            lines.append(f"    {source}")
+    torch_names = []
+    for filename, lineno, name in frames + [("", 0, "")]:
+        if filename.startswith(_TORCH_DIR):
+            if name not in ("wrapper", "inner"):
+                torch_names.append(name)
+            continue
+        if torch_names:
+            lines.append(f"  [inside torch: {' > '.join(torch_names)}]")
+            torch_names = []
+        if filename:
+            lines.append(f'  File "{display_filename(filename)}", line {lineno}, in {name}')
+            source = linecache.getline(filename, lineno).strip()
+            if source:
+                lines.append(f"    {source}")
     lines.append(f"{type_name}: {message}")
     return "\n".join(lines)
 
@@ -178,12 +197,33 @@ def display_filename(path: str) -> str:
     return path
 
 
+def stable_message(message: str) -> str:
+    """The message without gloo's source locations and peer ports (they change every run)."""
+    return _PEER_PORT.sub(r"\1", _GLOO_SOURCE.sub("", message))
+
+
 def tidy_message(message: str) -> str:
-    """First sentence, without gloo's source location and peer port (they change every run)."""
+    """The first sentence of `stable_message`, for one-line summaries."""
     first = message.strip().splitlines()[0] if message.strip() else ""
-    first = first.split(". ")[0]
-    first = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)
-    return re.sub(r"(\[[0-9a-fA-F.:]+\]):\d+", r"\1", first)
+    return stable_message(first.split(". ")[0])
+
+
+# What a rank reports when a *peer* failed: a closed connection, or an error relayed to it.
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                 "received errors while waiting for send/recv from rank")
+
+
+def _is_consequence(message: str) -> bool:
+    return any(marker in message for marker in _CONSEQUENCES)
+
+
+def _root_cause(errors: dict) -> int:
+    """The earliest error that does not merely echo a peer's failure. Errors raised within
+    SIMULTANEOUS_S of it count as simultaneous (several ranks detecting the same bug): the lowest
+    rank among them is named, so the same bug gives the same report every run."""
+    candidates = {r: e for r, e in errors.items() if not _is_consequence(e.message)} or errors
+    earliest = min(error.raised_at for error in candidates.values())
+    return min(r for r, e in candidates.items() if e.raised_at <= earliest + SIMULTANEOUS_S)
 
 
 def _ranks(ranks) -> str:
@@ -197,7 +237,7 @@ def _death(exitcode) -> str:
 
 
 def _tail(text: str, lines: int = 15) -> str:
-    kept = text.rstrip().splitlines()[-lines:]
+    kept = stable_message(text).rstrip().splitlines()[-lines:]
     return "Its last output:\n" + "\n".join(f"  {line}" for line in kept) if kept else ""
 
 

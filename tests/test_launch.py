@@ -19,7 +19,8 @@ import torch
 
 from helpers import WorkerError, WorkerTimeout, run
 from workers import (
-    abort_on_rank_one, all_reduce_worker, big_result_worker, device_worker, grad_worker,
+    abort_on_rank_one, all_reduce_worker, big_result_worker, device_worker, environment_worker,
+    grad_worker,
     kwargs_worker, printing_worker, raise_on_rank, send_first_worker, spin_worker,
     unpicklable_result_worker,
 )
@@ -152,6 +153,7 @@ def test_timeout_in_plain_python_code_reports_the_line():
         ({"world_size": 2, "timeout": 0}, ValueError, "timeout must be a positive number"),
         ({"world_size": 2, "backend": "mpi"}, ValueError, "backend must be one of"),
         ({"world_size": 2, "args": 5}, TypeError, "args must be a tuple"),
+        ({"world_size": 2, "env": ["A=1"]}, TypeError, "env must be a dict"),
     ],
 )
 def test_bad_arguments_fail_before_anything_starts(arguments, error, message):
@@ -159,6 +161,16 @@ def test_bad_arguments_fail_before_anything_starts(arguments, error, message):
     with pytest.raises(error, match=message):
         run(all_reduce_worker, **arguments)
     assert _worker_processes() == before
+
+
+def test_env_reaches_the_ranks_and_the_kernel_environment_does_too(monkeypatch):
+    monkeypatch.setenv("COURSE_SET_IN_KERNEL", "after the forkserver started")
+    extra = run(environment_worker, 2, args=("COURSE_EXTRA",), env={"COURSE_EXTRA": 7},
+                show_output=False)
+    kernel = run(environment_worker, 2, args=("COURSE_SET_IN_KERNEL",), show_output=False)
+    assert extra.results == ["7", "7"]
+    assert kernel.results == ["after the forkserver started"] * 2
+    assert "COURSE_EXTRA" not in os.environ
 
 
 def test_not_a_function_is_refused():
@@ -300,3 +312,24 @@ def test_torchrun_runs_the_same_worker(tmp_path):
     lines = sorted(line for line in completed.stdout.splitlines() if line.startswith("[rank"))
     assert lines[0].startswith("[rank 0] device=cpu result=")
     assert "'group_sum': 0" in lines[0] and "'group_sum': 1" in lines[1]
+
+
+def test_root_cause_skips_errors_that_echo_a_peer_failure():
+    from helpers._rank import ExceptionReport
+
+    echo = ExceptionReport("RuntimeError", "Connection closed by peer [127.0.0.1]:4242", [], 1.0)
+    cause = ExceptionReport("ValueError", "bad shape", [], 2.0)
+    later = ExceptionReport("KeyError", "'x'", [], 3.0)
+    error = WorkerError.from_reports({0: echo, 1: cause, 2: later}, {}, [3], ["", "", "", ""], 4)
+    assert (error.rank, error.type_name) == (1, "ValueError")
+    assert error.others == {0: "RuntimeError: Connection closed by peer [127.0.0.1]", 2: "KeyError: 'x'"}
+    assert str(error).endswith("ranks 0, 2 stopped or failed after rank 1 "
+                               "(what they reported is in this error's .others).\nrank 3 had finished.")
+
+
+def test_simultaneous_root_causes_name_the_lowest_rank():
+    from helpers._rank import ExceptionReport
+
+    errors = {rank: ExceptionReport("RuntimeError", f"mismatch seen by {rank}", [], 5.0 - rank * 1e-3)
+              for rank in range(3)}
+    assert WorkerError.from_reports(errors, {}, [], ["", "", ""], 3).rank == 0

@@ -76,3 +76,7 @@ def spin_worker(rank, world_size):
         return "done"
     while True:
         pass
+
+
+def environment_worker(rank, world_size, name):
+    return os.environ.get(name)

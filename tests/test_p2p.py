@@ -1,0 +1,85 @@
+"""Lesson 02 workers (helpers.p2p), each against values computed here without communication."""
+
+import pytest
+import torch
+
+from helpers import WorkerError, WorkerTimeout, p2p, run
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_chain_doubles_along_the_ranks(world_size):
+    first_values = [1.0, -2.0, 0.5]
+    out = run(p2p.chain_worker, world_size, args=(first_values,), show_output=False)
+    start = torch.tensor(first_values)
+    torch.testing.assert_close(out[0]["holds"], start)
+    assert out[0]["received"] is None
+    for rank in range(1, world_size):
+        torch.testing.assert_close(out[rank]["received"], start * 2 ** (rank - 1))
+        torch.testing.assert_close(out[rank]["holds"], start * 2**rank)
+
+
+def test_receive_buffer_of_the_right_size_gets_the_data():
+    out = run(p2p.receive_into_worker, 2, args=(4, 4, torch.float32), show_output=False)
+    torch.testing.assert_close(out[1], torch.ones(4))
+
+
+def test_too_large_receive_buffer_is_filled_silently():
+    out = run(p2p.receive_into_worker, 2, args=(4, 8, torch.float32), show_output=False)
+    torch.testing.assert_close(out[1], torch.tensor([1.0] * 4 + [0.0] * 4))
+
+
+def test_too_small_receive_buffer_kills_the_receiver():
+    with pytest.raises(WorkerError) as caught:
+        run(p2p.receive_into_worker, 2, args=(4, 2, torch.float32), show_output=False)
+    assert caught.value.rank == 1
+    assert str(caught.value).startswith("rank 1 died from signal SIGABRT")
+    assert "Received data size doesn't match expected size" in caught.value.traceback
+
+
+@pytest.mark.parametrize("nonblocking, labels", [
+    (False, [["send", "compute"], ["recv", "compute"]]),
+    (True, [["isend", "compute", "wait"], ["irecv", "compute", "wait"]]),
+])
+def test_overlap_timelines_record_each_step_in_order(nonblocking, labels):
+    out = run(p2p.overlap_worker, 2, args=(2**16, 2, nonblocking), show_output=False)
+    for rank, events in enumerate(out):
+        assert [label for label, _, _ in events] == labels[rank]
+        times = [t for _, start, end in events for t in (start, end)]
+        assert times == sorted(times) and times[0] >= 0
+
+
+def test_both_ranks_sending_first_deadlocks_in_send():
+    with pytest.raises(WorkerTimeout) as caught:
+        run(p2p.send_first_worker, 2, timeout=2, show_output=False)
+    for rank in range(2):
+        assert caught.value.where[rank].startswith(
+            "blocked in torch.distributed.send(), called from send_first_worker at \"helpers/p2p.py\""
+        )
+
+
+def test_ordered_exchange_swaps_the_tensors():
+    out = run(p2p.ordered_exchange_worker, 2, show_output=False)
+    torch.testing.assert_close(out[0], torch.full((4,), 1.0))
+    torch.testing.assert_close(out[1], torch.full((4,), 0.0))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_receives_from_the_left_neighbour(world_size):
+    out = run(p2p.ring_worker, world_size, show_output=False)
+    for rank in range(world_size):
+        torch.testing.assert_close(out[rank], torch.full((2,), float((rank - 1) % world_size)))
+
+
+def test_mismatched_collectives_hang_without_debug_and_fail_fast_with_detail():
+    with pytest.raises(WorkerTimeout):
+        run(p2p.mismatched_collectives_worker, 2, timeout=2, show_output=False)
+    with pytest.raises(WorkerError, match="Detected mismatch between collectives"):
+        run(p2p.mismatched_collectives_worker, 2, timeout=30, show_output=False,
+            env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+
+
+def test_monitored_barrier_names_the_late_rank():
+    with pytest.raises(WorkerError) as caught:
+        run(p2p.late_rank_worker, 3, args=(2, 1), timeout=30, show_output=False)
+    assert caught.value.rank == 0
+    assert "Rank 2 failed to pass monitoredBarrier in 1000 ms" in caught.value.message
