@@ -2,12 +2,13 @@
 
 Lesson 01 (notebooks/01_processes_and_groups.ipynb): threads vs processes, group membership.
 Lesson 02 (notebooks/02_point_to_point.ipynb): the send/recv chain, per-rank timelines.
+Lesson 03 (notebooks/03_collectives.ipynb): every rank's buffers before and after a collective.
 """
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import FancyBboxPatch
+from matplotlib.patches import FancyBboxPatch, Rectangle
 
 GROUP_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
 EVENT_COLORS = {"compute": "#55A868", "send": "#4C72B0", "recv": "#4C72B0", "isend": "#8172B3",
@@ -119,5 +120,37 @@ def plot_timelines(runs: dict):
         ax.invert_yaxis()
         ax.set_title(f"{name}: both ranks done after {finished * 1e3:.0f} ms", fontsize=10)
     axes[-1, 0].set_xlabel("time since the common start (ms)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_collective(name: str, results: list, rule: str = "", reduced: bool = False):
+    """Every rank's buffer before and after a collective, drawn from the returned tensors.
+
+    A cell's colour is the rank its number came from (tens digit of the inputs); grey when the
+    number is a reduction of several ranks' numbers (`reduced`). An empty row: no such buffer.
+    """
+    n = len(results)
+    width = max(max(len(item[key]) for key in ("before", "after") if item[key] is not None)
+                for item in results)
+    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.3 * width, 0.55 * n + 1.3))
+    for ax, key in zip(axes, ("before", "after")):
+        for rank, item in enumerate(results):
+            y = n - 1 - rank
+            ax.text(-0.15, y + 0.4, f"rank {rank}", ha="right", va="center", fontsize=9)
+            if item[key] is None:
+                ax.text(0.1, y + 0.4, "(no buffer)", va="center", color="#999", fontsize=8)
+                continue
+            for i, value in enumerate(item[key].tolist()):
+                mixed = reduced and key == "after"
+                color = "#8c8c8c" if mixed else GROUP_COLORS[int(value) // 10 % len(GROUP_COLORS)]
+                ax.add_patch(Rectangle((i, y), 0.94, 0.8, facecolor=color, alpha=0.9))
+                ax.text(i + 0.47, y + 0.4, f"{value:g}", ha="center", va="center", color="white",
+                        fontsize=9, fontweight="bold")
+        ax.set_xlim(-1.1, width)
+        ax.set_ylim(-0.2, n)
+        ax.set_title(key)
+        ax.axis("off")
+    fig.suptitle(f"{name}: {rule}" if rule else name, fontsize=10)
     fig.tight_layout()
     return fig

@@ -1,0 +1,156 @@
+"""Lesson 03 workers (helpers.collectives), each against a reference computed here."""
+
+import functools
+import operator
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pytest
+import torch
+
+from helpers import collectives, run, widgets
+
+
+def inputs(world_size):
+    """Rank r's n numbers (10*r + position) and its single number (10*r), as the lesson defines."""
+    mine = [10.0 * r + torch.arange(world_size, dtype=torch.float32) for r in range(world_size)]
+    one = [torch.tensor([10.0 * r]) for r in range(world_size)]
+    return mine, one
+
+
+def expected_after(name, world_size):
+    mine, one = inputs(world_size)
+    total = torch.stack(mine).sum(0)
+    n = world_size
+    return {
+        "broadcast": [mine[0]] * n,
+        "scatter": [mine[0][r : r + 1] for r in range(n)],
+        "gather": [torch.cat(one)] + [None] * (n - 1),
+        "reduce": [total] + [None] * (n - 1),
+        "all_gather": [torch.cat(one)] * n,
+        "reduce_scatter": [total[r : r + 1] for r in range(n)],
+        "all_reduce": [total] * n,
+        "all_to_all": [torch.stack([mine[s][r] for s in range(n)]) for r in range(n)],
+    }[name]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("name", collectives.COLLECTIVES)
+def test_every_collective_gives_the_textbook_result(name, world_size):
+    out = run(collectives.collective_worker, world_size, args=(name,), show_output=False)
+    for rank, expected in enumerate(expected_after(name, world_size)):
+        if expected is None:
+            assert out[rank]["after"] is None
+        else:
+            torch.testing.assert_close(out[rank]["after"], expected)
+
+
+def test_unknown_collective_is_an_error():
+    from helpers import WorkerError
+
+    with pytest.raises(WorkerError, match="unknown collective 'allreduce'"):
+        run(collectives.collective_worker, 2, args=("allreduce",), show_output=False)
+
+
+def test_barrier_releases_nobody_before_the_last_rank_arrives():
+    out = run(collectives.barrier_worker, 3, args=(0.1,), show_output=False)
+    last_arrival = max(events[0][2] for events in out)
+    for events in out:
+        (_, _, arrived), (_, barrier_start, left) = events
+        assert barrier_start == arrived and left >= last_arrival - 0.02
+
+
+def test_reduce_ops_on_gloo():
+    world_size = 3
+    out = run(collectives.reduce_ops_worker, world_size, show_output=False)
+    rows = [[r + 1, 6, 12 - 3 * r] for r in range(world_size)]
+    columns = list(zip(*rows))
+    combine = {
+        "SUM": sum, "PRODUCT": lambda c: functools.reduce(operator.mul, c),
+        "MIN": min, "MAX": max,
+        "BAND": lambda c: functools.reduce(operator.and_, c),
+        "BOR": lambda c: functools.reduce(operator.or_, c),
+        "BXOR": lambda c: functools.reduce(operator.xor, c),
+    }
+    for rank in range(world_size):
+        result = out[rank]
+        for op, how in combine.items():
+            assert result[(op, "int64")] == [how(column) for column in columns]
+        for op in ("SUM", "PRODUCT", "MIN", "MAX"):
+            assert result[(op, "float32")] == [float(how) for how in result[(op, "int64")]]
+        assert result[("AVG", "float32")] == pytest.approx([sum(c) / world_size for c in columns])
+        assert "can't be cast" in result[("AVG", "int64")]
+        for op in ("BAND", "BOR", "BXOR"):
+            assert "non-integral dtype" in result[(op, "float32")]
+        assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in result[("PREMUL_SUM", "float32")]
+
+
+def test_scale_then_sum_equals_a_premultiplied_sum():
+    out = run(collectives.scaled_sum_worker, 3, args=(2.5,), show_output=False)
+    expected = 2.5 * torch.tensor([[r + 1, 6, 12 - 3 * r] for r in range(3)], dtype=torch.float32).sum(0)
+    for result in out:
+        torch.testing.assert_close(result, expected)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_equals_reduce_scatter_then_all_gather(world_size):
+    numel, seed = 1024, 7
+    out = run(collectives.two_step_all_reduce_worker, world_size, args=(numel, seed), show_output=False)
+    total = sum(torch.randn(numel, generator=torch.Generator().manual_seed(seed + r))
+                for r in range(world_size))
+    for rank, result in enumerate(out):
+        torch.testing.assert_close(result["direct"], total)
+        torch.testing.assert_close(result["two_step"], total)
+        torch.testing.assert_close(result["shard"], total.chunk(world_size)[rank])
+
+
+@pytest.mark.parametrize("world_size, length", [(2, 8), (3, 10), (4, 4)])
+def test_sharded_softmax_and_l2_normalisation_equal_the_single_process_ones(world_size, length):
+    vector = torch.randn(length, generator=torch.Generator().manual_seed(length)) * 5
+    softmax = run(collectives.softmax_worker, world_size, args=(vector,), show_output=False)
+    normalised = run(collectives.l2_normalize_worker, world_size, args=(vector,), show_output=False)
+    torch.testing.assert_close(torch.cat(softmax.results), torch.softmax(vector, 0))
+    torch.testing.assert_close(torch.cat(normalised.results), vector / vector.norm())
+
+
+def test_strided_view_is_reduced_wrongly_unless_made_contiguous():
+    world_size = 2
+    matrices = [torch.arange(8, dtype=torch.float32).reshape(2, 4) + 100 * r for r in range(world_size)]
+    expected = [m.clone() for m in matrices]
+    for m in expected:
+        m[:, ::2] = sum(x[:, ::2] for x in matrices)
+    fixed = run(collectives.strided_view_worker, world_size, args=(True,), show_output=False)
+    broken = run(collectives.strided_view_worker, world_size, args=(False,), show_output=False)
+    for rank in range(world_size):
+        torch.testing.assert_close(fixed[rank], expected[rank])
+        assert not torch.equal(broken[rank][:, 1::2], matrices[rank][:, 1::2])  # outside the view
+        assert not torch.equal(broken[rank], expected[rank])
+
+
+def test_uneven_all_gather_by_padding_and_by_objects():
+    world_size = 3
+    out = run(collectives.uneven_all_gather_worker, world_size, show_output=False)
+    expected = [torch.arange(r + 1, dtype=torch.float32) + 10 * r for r in range(world_size)]
+    for result in out:
+        for key in ("padded", "objects"):
+            for got, want in zip(result[key], expected, strict=True):
+                torch.testing.assert_close(got, want)
+
+
+def test_strings_travel_with_all_gather_object():
+    out = run(collectives.strings_worker, 3, show_output=False)
+    assert out.results == [[f"rank {r} says hello" for r in range(3)]] * 3
+
+
+def test_explorer_offers_every_collective_and_draws_every_buffer():
+    explorer = widgets.collective_explorer("gather", 3)
+    assert explorer.children[0].options == tuple(collectives.COLLECTIVES)
+    plt.close("all")
+    widgets.show_collective("all_to_all", 3)
+    axes = plt.gcf().axes
+    assert [len(ax.patches) for ax in axes] == [9, 9]
+    labels = {text.get_text() for text in axes[1].texts}
+    assert {"0", "10", "20", "rank 2"} <= labels
