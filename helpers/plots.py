@@ -3,6 +3,7 @@
 Lesson 01 (notebooks/01_processes_and_groups.ipynb): threads vs processes, group membership.
 Lesson 02 (notebooks/02_point_to_point.ipynb): the send/recv chain, per-rank timelines.
 Lesson 03 (notebooks/03_collectives.ipynb): every rank's buffers before and after a collective.
+Lesson 04 (notebooks/04_measuring_communication.ipynb): size sweeps, the alpha-beta fit, links.
 """
 
 from __future__ import annotations
@@ -152,5 +153,61 @@ def plot_collective(name: str, results: list, rule: str = "", reduced: bool = Fa
         ax.set_title(key)
         ax.axis("off")
     fig.suptitle(f"{name}: {rule}" if rule else name, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _gigabytes(value):
+    return value / 1e9
+
+
+def plot_sweeps(sweeps: dict, fits: dict | None = None):
+    """Left: time against size (log-log), with each fitted alpha-beta model. Right: busbw.
+
+    `sweeps` maps a label to `helpers.bench.sweep` records; `fits` a label to (alpha, beta).
+    """
+    from helpers import bench
+
+    fig, (time_ax, bw_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for index, (label, records) in enumerate(sweeps.items()):
+        color = GROUP_COLORS[index % len(GROUP_COLORS)]
+        sizes = [r["size_bytes"] for r in records]
+        time_ax.loglog(sizes, [r["seconds"] for r in records], "o", color=color, label=label)
+        bw_ax.semilogx(sizes, [_gigabytes(r["busbw"]) for r in records], "o-", color=color, label=label)
+        if fits and label in fits:
+            alpha, beta = fits[label]
+            op, n = records[0]["op"], records[0]["world_size"]
+            model = [bench.model_seconds(alpha, beta, op, n, size) for size in sizes]
+            time_ax.loglog(sizes, model, "-", color=color, alpha=0.6,
+                           label=f"fit: alpha = {alpha * 1e6:.0f} us, beta = {_gigabytes(beta):.2f} GB/s")
+            crossover = alpha * beta / bench.BUSBW_FACTORS[op](n)
+            time_ax.axvline(crossover, color=color, ls=":", lw=1)
+    time_ax.set_xlabel("size S (bytes)")
+    time_ax.set_ylabel("time (s)")
+    time_ax.set_title("time: flat where latency dominates, rising where bandwidth does\n"
+                      "(dotted: size where both terms are equal)", fontsize=9)
+    time_ax.legend(fontsize=7)
+    bw_ax.set_xlabel("size S (bytes)")
+    bw_ax.set_ylabel("busbw (GB/s)")
+    bw_ax.set_title("bus bandwidth", fontsize=9)
+    bw_ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_links(measured: dict, published: list):
+    """Horizontal bars, log scale: bandwidths measured here (dict label -> bytes/s) against vendor
+    peak figures (list of (label, bytes/s, source)), which are labelled as not measured."""
+    labels = [f"{label} (measured here)" for label in measured]
+    labels += [f"{label} (vendor peak, not measured)" for label, _, _ in published]
+    values = [_gigabytes(v) for v in measured.values()] + [_gigabytes(v) for _, v, _ in published]
+    colors = [GROUP_COLORS[0]] * len(measured) + ["#bbbbbb"] * len(published)
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(values) + 1))
+    bars = ax.barh(labels, values, color=colors)
+    ax.bar_label(bars, fmt="%.1f GB/s", fontsize=8, padding=3)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s, one direction (log scale)")
+    ax.set_title("What this machine moves, and what GPU links are built for", fontsize=10)
     fig.tight_layout()
     return fig

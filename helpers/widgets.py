@@ -1,10 +1,12 @@
 """ipywidgets controls that re-run a lesson's worker and redraw it.
 
 Lesson 03 (notebooks/03_collectives.ipynb): pick a collective and a world size.
+Lesson 04 (notebooks/04_measuring_communication.ipynb): a progress bar for long sweeps.
 """
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
+from IPython.display import display
 
 from helpers import collectives, plots
 from helpers.launch import run
@@ -27,3 +29,11 @@ def collective_explorer(collective: str = "all_reduce", world_size: int = 4, max
         world_size=widgets.IntSlider(value=world_size, min=2, max=max_world_size,
                                      description="world size", continuous_update=False),
     )
+
+
+def progress_bar(total: int, description: str = "") -> widgets.IntProgress:
+    """Show a progress bar of `total` steps; advance it with `bar.value += 1`."""
+    bar = widgets.IntProgress(value=0, min=0, max=total, description=description,
+                              style={"description_width": "initial"})
+    display(bar)
+    return bar
