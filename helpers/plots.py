@@ -4,9 +4,12 @@ Lesson 01 (notebooks/01_processes_and_groups.ipynb): threads vs processes, group
 Lesson 02 (notebooks/02_point_to_point.ipynb): the send/recv chain, per-rank timelines.
 Lesson 03 (notebooks/03_collectives.ipynb): every rank's buffers before and after a collective.
 Lesson 04 (notebooks/04_measuring_communication.ipynb): size sweeps, the alpha-beta fit, links.
+Lesson 05 (notebooks/05_how_all_reduce_works.ipynb): ring steps, bytes per rank, cost models.
 """
 
 from __future__ import annotations
+
+import math
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Rectangle
@@ -209,5 +212,108 @@ def plot_links(measured: dict, published: list):
     ax.invert_yaxis()
     ax.set_xlabel("GB/s, one direction (log scale)")
     ax.set_title("What this machine moves, and what GPU links are built for", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _contributors(value: float) -> int:
+    """How many ranks a ring-trace number contains: rank r contributed 10**r, so count the 1s."""
+    return str(int(round(value))).count("1")
+
+
+def draw_ring_step(ax, traces: list, index: int):
+    """One step of the ring trace on `ax`: a row per rank, a cell per chunk, darker = more ranks
+    summed in; the chunk each rank sends (to the next rank, the last to rank 0) is outlined."""
+    n = len(traces)
+    phase, step, _, _ = traces[0][index]
+    for rank, trace in enumerate(traces):
+        _, _, sent, values = trace[index]
+        y = n - 1 - rank
+        ax.text(-0.2, y + 0.4, f"rank {rank}", ha="right", va="center", fontsize=8)
+        for chunk, value in enumerate(values.tolist()):
+            share = _contributors(value) / n
+            ax.add_patch(Rectangle((chunk, y), 0.92, 0.8, facecolor=plt.cm.Blues(0.15 + 0.8 * share),
+                                   edgecolor="#C44E52" if chunk == sent else "white",
+                                   linewidth=2.5 if chunk == sent else 1))
+            ax.text(chunk + 0.46, y + 0.4, f"{int(value)}", ha="center", va="center", fontsize=7,
+                    color="white" if share > 0.5 else "black")
+    title = "start: rank r holds 10**r" if phase == "start" else f"{phase}, step {step + 1}"
+    ax.set_title(title, fontsize=9)
+    ax.set_xlim(-1.3, n + 0.1)
+    ax.set_ylim(-0.6, n)
+    ax.axis("off")
+
+
+def plot_ring_steps(traces: list):
+    """Every step of the ring, side by side (the static version of the stepper widget)."""
+    steps = len(traces[0])
+    columns = min(4, steps)
+    rows = math.ceil(steps / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.2 * rows), squeeze=False)
+    for index, ax in enumerate(axes.flat):
+        if index < steps:
+            draw_ring_step(ax, traces, index)
+        else:
+            ax.axis("off")
+    fig.suptitle("Ring all-reduce: outlined = the chunk each rank sends to the next "
+                 "(rank 3 to rank 0)" if len(traces) == 4 else "Ring all-reduce: outlined = the chunk each "
+                 "rank sends to the next", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_bytes_per_rank(bytes_by_algorithm: dict, tensor_bytes: int):
+    """Grouped bars: bytes each rank sent, per algorithm, in units of the tensor's size."""
+    labels = list(bytes_by_algorithm)
+    n = len(next(iter(bytes_by_algorithm.values())))
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    width = 0.8 / len(labels)
+    for index, label in enumerate(labels):
+        positions = [r + (index - (len(labels) - 1) / 2) * width for r in range(n)]
+        ax.bar(positions, [b / tensor_bytes for b in bytes_by_algorithm[label]], width,
+               label=label, color=GROUP_COLORS[index % len(GROUP_COLORS)])
+    ax.set_xticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_ylabel("bytes sent / tensor size")
+    ax.set_title("Who sends how much", fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ring_vs_tree(alpha, beta, sizes, device_counts):
+    """Model time of ring and tree all-reduce against the number of devices, for a few sizes."""
+    from helpers import algorithms
+
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for index, size in enumerate(sizes):
+        color = GROUP_COLORS[index % len(GROUP_COLORS)]
+        ax.loglog(device_counts, [algorithms.ring_seconds(n, size, alpha, beta) for n in device_counts],
+                  "-", color=color, label=f"ring, {size / 1e6:g} MB")
+        ax.loglog(device_counts, [algorithms.tree_seconds(n, size, alpha, beta) for n in device_counts],
+                  "--", color=color, label=f"tree, {size / 1e6:g} MB")
+    ax.set_xlabel("devices n")
+    ax.set_ylabel("model time (s)")
+    ax.set_title(f"alpha = {alpha * 1e6:g} us, beta = {beta / 1e9:g} GB/s", fontsize=10)
+    ax.legend(fontsize=8, ncols=2, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_topologies(n, size_bytes, device_bandwidth):
+    """Bandwidth-only model times of all-reduce and all-to-all on each topology."""
+    from helpers import algorithms
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    width = 0.38
+    for offset, (label, model) in zip((-width / 2, width / 2), (
+            ("all-reduce", algorithms.all_reduce_on), ("all-to-all", algorithms.all_to_all_on))):
+        times = [model(t, n, size_bytes, device_bandwidth) * 1e3 for t in algorithms.TOPOLOGIES]
+        bars = ax.bar([i + offset for i in range(len(times))], times, width, label=label)
+        ax.bar_label(bars, fmt="%.1f ms", fontsize=8)
+    ax.set_xticks(range(len(algorithms.TOPOLOGIES)), algorithms.TOPOLOGIES)
+    ax.set_ylabel("model time (ms)")
+    ax.set_title(f"{n} devices, {size_bytes / 1e6:g} MB each, {device_bandwidth / 1e9:g} GB/s out of "
+                 "each device", fontsize=10)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
