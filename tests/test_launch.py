@@ -1,6 +1,5 @@
 """helpers.run: results, output, errors, timeouts, clean-up. Every expected value is computed here."""
 
-import glob
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
@@ -197,16 +196,17 @@ def _worker_processes():
 
 
 def _leftover_files():
-    patterns = ("helpers-run-*", "pytorch-errorfile-*")
-    return {path for pattern in patterns for path in glob.glob(os.path.join(tempfile.gettempdir(), pattern))}
+    return set(os.listdir(tempfile.gettempdir()))
 
 
 def _open_fds():
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_nothing_is_left_behind_after_50_launches_an_error_and_a_timeout():
+def test_nothing_is_left_behind_after_50_launches_an_error_and_a_timeout(tmp_path, monkeypatch):
     run(all_reduce_worker, 2, args=(0.0,), show_output=False)  # forkserver is up
+    # A private temp dir, so that other programs using /tmp meanwhile cannot confuse the count.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     fds, files = _open_fds(), _leftover_files()
     for _ in range(50):
         run(all_reduce_worker, 4, args=(0.0,), show_output=False)
