@@ -213,7 +213,8 @@ _CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broke
                  "received errors while waiting for send/recv from rank")
 
 
-def _is_consequence(message: str) -> bool:
+def is_consequence(message: str) -> bool:
+    """Whether an error message only echoes a peer's failure (a closed connection, ...)."""
     return any(marker in message for marker in _CONSEQUENCES)
 
 
@@ -221,7 +222,7 @@ def _root_cause(errors: dict) -> int:
     """The earliest error that does not merely echo a peer's failure. Errors raised within
     SIMULTANEOUS_S of it count as simultaneous (several ranks detecting the same bug): the lowest
     rank among them is named, so the same bug gives the same report every run."""
-    candidates = {r: e for r, e in errors.items() if not _is_consequence(e.message)} or errors
+    candidates = {r: e for r, e in errors.items() if not is_consequence(e.message)} or errors
     earliest = min(error.raised_at for error in candidates.values())
     return min(r for r, e in candidates.items() if e.raised_at <= earliest + SIMULTANEOUS_S)
 
