@@ -205,6 +205,9 @@ def _loopback_interface() -> str | None:
 
 def _start(job: _rank.Job, start_method: str):
     if start_method == "forkserver":
+        if _forkserver_pid() is None and "ipykernel" in sys.modules:
+            print("Warming up: starting the worker pool, which imports torch once per kernel "
+                  "(a few seconds). Later launches take about 0.1 s.", flush=True)
         multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
     receivers, senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(job.world_size)))
     try:
@@ -216,6 +219,13 @@ def _start(job: _rank.Job, start_method: str):
         for sender in senders:  # the ranks hold their own copies now
             sender.close()
     return context.processes, list(receivers)
+
+
+def _forkserver_pid():
+    """The pid of this interpreter's forkserver, or None before the first forkserver launch."""
+    import multiprocessing.forkserver
+
+    return multiprocessing.forkserver._forkserver._forkserver_pid
 
 
 def _rank_entry(rank, job, senders):

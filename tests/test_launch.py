@@ -1,6 +1,5 @@
 """helpers.run: results, output, errors, timeouts, clean-up. Every expected value is computed here."""
 
-import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import pickle
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from helpers import WorkerError, WorkerTimeout, run
+from helpers.launch import _forkserver_pid
 from workers import (
     abort_on_rank_one, all_reduce_worker, big_result_worker, device_worker, environment_worker,
     grad_worker,
@@ -182,10 +182,6 @@ def test_spawn_start_method_gives_the_same_results():
     expected = torch.arange(4, dtype=torch.float64) * 3 + 2.0
     for rank in range(2):
         torch.testing.assert_close(out[rank], expected)
-
-
-def _forkserver_pid():
-    return multiprocessing.forkserver._forkserver._forkserver_pid
 
 
 def _worker_processes():
