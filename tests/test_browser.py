@@ -1,0 +1,164 @@
+"""The lessons in a real JupyterLab, driven by headless Chromium: what a person would see.
+
+Needs Debian's chromium (`apt-get install chromium`; .ci/run installs it) and the playwright
+package (pinned in requirements.txt), driven through `executable_path`: Playwright's own browser
+download does not work here. Without Chromium this test is skipped, and says why.
+Screenshots: test-artifacts/browser/ (the path is printed).
+"""
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOTS = REPO / "test-artifacts" / "browser"
+# Chromium as root in a sandbox, with no background traffic (the network is closed here).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium); "
+    "the real-browser test needs it")
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab on loopback with a token, serving copies of the lessons, with its own settings."""
+    for name in ("01_processes_and_groups.ipynb", "05_how_all_reduce_works.ipynb"):
+        shutil.copy(REPO / "notebooks" / name, tmp_path / name)
+    port, token = _free_port(), secrets.token_hex(16)
+    log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed in the finally below
+    private = {name: str(tmp_path / f".{name.lower()}") for name in (
+        "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={tmp_path}", "--LabApp.news_url=None", "--allow-root"],
+        cwd=tmp_path, env={**os.environ, **private},
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    tail = (tmp_path / "jupyterlab.log").read_text()[-2000:]
+                    raise RuntimeError(f"JupyterLab did not start within 60 s:\n{tail}")
+                time.sleep(0.5)
+        yield base, token
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+@pytest.fixture
+def page(lab):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 1000}), lab
+        finally:
+            browser.close()
+
+
+def _run_all_cells(page, base, token, notebook, last_output):
+    page.goto(f"{base}/lab/tree/{notebook}?token={token}")
+    page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+    # The kernel is ready when the status bar says so (the toolbar's indicator is idle earlier).
+    page.get_by_text("Python 3 (ipykernel) | Idle").first.wait_for(timeout=60_000)
+    first_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").first
+    for _ in range(3):
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        try:  # "[*]:" or "[1]:" once the run has really started
+            page.wait_for_function("prompt => /\\[[*0-9]+\\]/.test(prompt.textContent)",
+                                   arg=first_prompt.element_handle(), timeout=15_000)
+            break
+        except Exception:
+            continue
+    try:
+        page.get_by_text(last_output).first.wait_for(state="attached", timeout=180_000)
+    except Exception:
+        _screenshot(page, f"{notebook.split('.')[0]}_did_not_finish")
+        raise
+
+
+def _show(locator):
+    """Scroll `locator` into view and wait until it is painted (cells render lazily)."""
+    locator.scroll_into_view_if_needed()
+    locator.wait_for(state="visible", timeout=10_000)
+    locator.page.wait_for_timeout(500)
+    return locator
+
+
+def _screenshot(page, name):
+    news = page.get_by_role("button", name="No", exact=True)  # the "Jupyter news?" toast
+    if news.count() and news.first.is_visible():
+        news.first.click()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=False)
+    print(f"screenshot: {path}")
+
+
+def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
+    page, (base, token) = page
+    _run_all_cells(page, base, token, "01_processes_and_groups.ipynb", "[NOT YET] column_sum")
+    grouped = _show(page.locator(".jp-OutputArea-output", has_text="[rank 0] I am rank 0 of 4").first)
+    text = grouped.inner_text()
+    positions = [text.index(f"[rank {r}] I am rank {r} of 4") for r in range(4)]
+    assert positions == sorted(positions), text  # all four ranks, in one output, in rank order
+    _screenshot(page, "01_grouped_output")
+
+    figure = _show(page.locator(".jp-RenderedImage img").first)
+    assert figure.evaluate("image => image.complete && image.naturalWidth > 100")
+    _screenshot(page, "01_figure")
+
+    checker = _show(page.locator(".jp-OutputArea-output", has_text="[NOT YET] even_odd_sum").first)
+    assert "waiting for your code" in checker.inner_text()
+    _screenshot(page, "01_checker")
+
+
+def test_lesson_05_stepper_slider_redraws_the_ring(page):
+    page, (base, token) = page
+    _run_all_cells(page, base, token, "05_how_all_reduce_works.ipynb", "[NOT YET] tree_reduce")
+    cell = page.locator(".jp-CodeCell", has_text="widgets.ring_stepper(traces)").first
+    drawing = _show(cell.locator(".widget-output img").first)
+    before = drawing.get_attribute("src")
+    _screenshot(page, "05_stepper_step_0")
+    handle = cell.locator(".noUi-handle").first
+    handle.focus()
+    page.keyboard.press("ArrowRight")
+    page.wait_for_function(
+        "([cell, before]) => { const image = cell.querySelector('.widget-output img');"
+        " return image && image.getAttribute('src') !== before; }",
+        arg=[cell.element_handle(), before], timeout=30_000)
+    assert cell.locator(".widget-readout").first.inner_text().strip() == "1"
+    _show(cell.locator(".widget-output img").first)
+    _screenshot(page, "05_stepper_step_1")
