@@ -157,7 +157,7 @@ def _check_case(exercise, function, case):
         try:
             got = function(*case)
         except NotImplementedError:
-            return _not_started()
+            return _not_started(exercise)
         except Exception as error:  # noqa: BLE001 - the student's code may raise anything
             return [f"Your function raised {type(error).__name__}: {error}"]
         problem = _compare(got, exercise.expected(*case))
@@ -171,7 +171,7 @@ def _check_case(exercise, function, case):
                 "(a deadlock?). Where each rank was:", *str(timeout).splitlines()[1:]]
     except WorkerError as error:
         if error.type_name == "NotImplementedError":
-            return _not_started()
+            return _not_started(exercise)
         lines = [f"On {world_size} ranks:", *str(error).splitlines()]
         if is_consequence(error.message):
             lines.append(f"Hint: rank {error.rank} was still waiting for a partner that had "
@@ -185,9 +185,10 @@ def _check_case(exercise, function, case):
     return None
 
 
-def _not_started():
+def _not_started(exercise):
     return ["This exercise is waiting for your code: replace the `raise NotImplementedError` "
-            "line with your solution, then run the cell again."]
+            "line with your solution, then run the cell again.",
+            f"The task: {exercise.task}."]
 
 
 def _compare(got, expected) -> str | None:

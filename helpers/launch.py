@@ -229,6 +229,11 @@ def _forkserver_pid():
 
 
 def _rank_entry(rank, job, senders):
+    # start_processes hands every rank the same arguments: keep only this rank's pipe open, so
+    # that a rank which dies leaves its pipe with no writer (the parent reads EOF at once).
+    for other, sender in enumerate(senders):
+        if other != rank:
+            sender.close()
     _rank.rank_main(rank, job, senders[rank])
 
 

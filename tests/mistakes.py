@@ -96,10 +96,11 @@ def alpha_and_beta_swapped(size1, seconds1, size2, seconds2):
     return beta, seconds1 - size1 / beta
 
 
-def ring_that_adds_in_both_phases(rank, world_size, data):
+def _ring_with_a_bug(rank, world_size, data, steps):
+    """The exercise's ring, adding at every step (right only in the reduce-scatter phase)."""
     chunks = list(data.chunk(world_size))
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for step in range(2 * (world_size - 1)):
+    for step in range(steps):
         send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
         incoming = torch.empty_like(chunks[receive])
         requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
@@ -108,20 +109,14 @@ def ring_that_adds_in_both_phases(rank, world_size, data):
             request.wait()
         chunks[receive] += incoming
     return data
+
+
+def ring_that_adds_in_both_phases(rank, world_size, data):
+    return _ring_with_a_bug(rank, world_size, data, steps=2 * (world_size - 1))
 
 
 def ring_without_all_gather(rank, world_size, data):
-    chunks = list(data.chunk(world_size))
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for step in range(world_size - 1):
-        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
-        incoming = torch.empty_like(chunks[receive])
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
-                                           dist.P2POp(dist.irecv, incoming, left)])
-        for request in requests:
-            request.wait()
-        chunks[receive] += incoming
-    return data
+    return _ring_with_a_bug(rank, world_size, data, steps=world_size - 1)
 
 
 def tree_with_wrong_parent(rank, world_size, tensor):

@@ -47,6 +47,7 @@ def test_an_unstarted_exercise_gets_a_friendly_message(name):
     result = exercises.check(name, mistakes.not_started)
     assert not result.passed
     assert "waiting for your code" in repr(result)
+    assert repr(result).endswith(f"The task: {exercises.EXERCISES[name].task}.")
 
 
 def test_unknown_exercise_names_the_known_ones():
