@@ -17,6 +17,7 @@ Under torchrun (RANK and WORLD_SIZE set) the worker runs in this process instead
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -204,17 +205,20 @@ def _loopback_interface() -> str | None:
 
 
 def _start(job: _rank.Job, start_method: str):
+    indicator = contextlib.nullcontext()
     if start_method == "forkserver":
         if _forkserver_pid() is None and "ipykernel" in sys.modules:
-            print("Warming up: starting the worker pool, which imports torch once per kernel "
-                  "(a few seconds). Later launches take about 0.1 s.", flush=True)
+            from helpers.notebook import warming_up
+
+            indicator = warming_up()  # the forkserver starts, and imports torch, right now
         multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
     receivers, senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(job.world_size)))
     try:
-        context = torch.multiprocessing.start_processes(
-            _rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
-            start_method=start_method,
-        )
+        with indicator:
+            context = torch.multiprocessing.start_processes(
+                _rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
+                start_method=start_method,
+            )
     finally:
         for sender in senders:  # the ranks hold their own copies now
             sender.close()

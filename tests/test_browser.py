@@ -42,9 +42,14 @@ def lab(tmp_path):
     for name in ("01_processes_and_groups.ipynb", "05_how_all_reduce_works.ipynb"):
         shutil.copy(REPO / "notebooks" / name, tmp_path / name)
     port, token = _free_port(), secrets.token_hex(16)
-    log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed in the finally below
     private = {name: str(tmp_path / f".{name.lower()}") for name in (
         "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR")}
+    log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed in the finally below
+    # No "Jupyter news?" toast over the page: the user setting, in this server's settings dir.
+    notification = Path(private["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "apputils-extension"
+    notification.mkdir(parents=True)
+    (notification / "notification.jupyterlab-settings").write_text(
+        '{"fetchNews": "false", "checkForUpdates": false}')
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
@@ -118,9 +123,6 @@ def _show(locator):
 
 
 def _screenshot(page, name):
-    news = page.get_by_role("button", name="No", exact=True)  # the "Jupyter news?" toast
-    if news.count() and news.first.is_visible():
-        news.first.click()
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=False)
@@ -130,6 +132,12 @@ def _screenshot(page, name):
 def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
     page, (base, token) = page
     _run_all_cells(page, base, token, "01_processes_and_groups.ipynb", "[NOT YET] column_sum")
+    first_launch = _show(page.locator(".jp-CodeCell", has_text="time_threads_and_processes").first)
+    indicator = first_launch.locator(".widget-hprogress")  # the warm-up progress bar
+    assert indicator.count() == 1 and indicator.locator(".progress-bar-success").count() == 1
+    assert indicator.locator(".widget-label").inner_text() == "ready"
+    assert "Warming up" in first_launch.inner_text()
+    _screenshot(page, "01_warm_up")
     grouped = _show(page.locator(".jp-OutputArea-output", has_text="[rank 0] I am rank 0 of 4").first)
     text = grouped.inner_text()
     positions = [text.index(f"[rank {r}] I am rank {r} of 4") for r in range(4)]
