@@ -14,8 +14,9 @@ $(INSTALLED): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -e .
 	touch $@
 
+# JupyterLab refuses to run as root (containers, cloud VMs) unless told it may.
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Unit tests, then every notebook re-executed and compared with its committed outputs (nbval).
 test: setup
