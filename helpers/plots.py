@@ -198,6 +198,25 @@ def plot_sweeps(sweeps: dict, fits: dict | None = None):
     return fig
 
 
+def plot_against_published(measured: dict, published: list):
+    """busbw against size: sweeps measured here (label -> bench records) and published ones
+    ((label, source, [(size, busbw)]) from bench.PUBLISHED_SWEEPS), labelled as not measured."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for index, (label, records) in enumerate(measured.items()):
+        ax.loglog([r["size_bytes"] for r in records], [_gigabytes(r["busbw"]) for r in records],
+                  "o-", color=GROUP_COLORS[index], label=f"{label} (measured here)")
+    for index, (label, _, points) in enumerate(published):
+        sizes, busbw = zip(*points)
+        ax.loglog(sizes, [_gigabytes(b) for b in busbw], "s--", color="#999999",
+                  alpha=1 - 0.35 * index, label=f"{label} (published, not measured here)")
+    ax.set_xlabel("size S (bytes)")
+    ax.set_ylabel("all_reduce busbw (GB/s)")
+    ax.set_title("The same sweep on GPU servers", fontsize=10)
+    ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
 def plot_links(measured: dict, published: list):
     """Horizontal bars, log scale: bandwidths measured here (dict label -> bytes/s) against vendor
     peak figures (list of (label, bytes/s, source)), which are labelled as not measured."""

@@ -62,3 +62,20 @@ def test_sweep_records_every_size_and_advances_the_progress():
 
 def test_memory_copy_bandwidth_is_a_finite_rate():
     assert math.isfinite(bench.memory_copy_bandwidth(2**20, 3)) and bench.memory_copy_bandwidth(2**20, 3) > 0
+
+
+def test_published_sweeps_are_drawn_and_labelled_as_not_measured():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from helpers import plots
+
+    measured = {"here": [bench.bandwidths("all_reduce", 2, size, size / 1e9) for size in (2**20, 2**24)]}
+    axes = plots.plot_against_published(measured, bench.PUBLISHED_SWEEPS).axes[0]
+    labels = [line.get_label() for line in axes.get_lines()]
+    assert labels[0] == "here (measured here)"
+    assert len(labels) == 1 + len(bench.PUBLISHED_SWEEPS)
+    assert all(label.endswith("(published, not measured here)") for label in labels[1:])
+    for _, source, points in bench.PUBLISHED_SWEEPS:
+        assert "github.com" in source
+        assert [size for size, _ in points] == sorted(size for size, _ in points)
