@@ -5,7 +5,6 @@ Workers return plain data; the pictures are drawn in the kernel by `helpers.plot
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,12 +40,6 @@ def time_threads_and_processes(worker_counts, iterations) -> dict:
         run(busy_worker, count, args=(iterations,), show_output=False, threads_per_rank=1)
         timings["processes"].append(time.perf_counter() - started)
     return timings
-
-
-def hello_worker(rank, world_size):
-    """Every rank introduces itself: same code, different rank, different process."""
-    print(f"I am rank {rank} of {world_size}, backend {dist.get_backend()}")
-    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "pid": os.getpid()}
 
 
 def halves_worker(rank, world_size):

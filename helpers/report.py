@@ -15,7 +15,9 @@ import sysconfig
 
 import torch
 
-# gloo's own log lines: one per connection, plus the "Gloo" startup chatter. Not the student's.
+from helpers import _rank
+
+# gloo's own log line, one per connection made: not the student's output.
 _NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 # torch's C++ log prefix, e.g. "[rank0]:[E1122 14:24:43.236103785 ProcessGroupGloo.cpp:67] ".
 _CPP_LOG_PREFIX = re.compile(r"^(\[rank\d+\]:)?\[[EWIF]\d{4} [\d:.]+ [\w.]+:\d+\] ")
@@ -99,7 +101,7 @@ def read_outputs(out_dir: str, world_size: int) -> list:
     """Each rank's captured stdout+stderr, gloo's connection lines removed."""
     outputs = []
     for rank in range(world_size):
-        path = os.path.join(out_dir, f"rank{rank}.out")
+        path = _rank.output_path(out_dir, rank)
         text = ""
         if os.path.exists(path):
             with open(path, errors="replace") as captured:
@@ -114,8 +116,7 @@ def read_outputs(out_dir: str, world_size: int) -> list:
 def clear_outputs(out_dir: str, world_size: int) -> None:
     """Forget a discarded attempt's output (the launch is being made again)."""
     for rank in range(world_size):
-        for suffix in (".out", ".stack"):
-            path = os.path.join(out_dir, f"rank{rank}{suffix}")
+        for path in (_rank.output_path(out_dir, rank), _rank.stack_path(out_dir, rank)):
             if os.path.exists(path):
                 os.remove(path)
 
