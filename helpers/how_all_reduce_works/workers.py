@@ -1,0 +1,164 @@
+"""Lesson 05's workers and models: ring and tree all-reduce from point-to-point calls, their
+cost in the alpha-beta model, and a bandwidth model of topologies.
+
+All-reduce built from point-to-point calls, twice: the bandwidth-optimal ring (Patarasuk & Yuan,
+"Bandwidth optimal all-reduce algorithms for clusters of workstations", 2009), and a binary tree
+(and NCCL's double binary tree, Sanders, Speck & Träff 2009). Each counts the bytes it sends, so
+the formulas can be checked, and the ring records a trace for the notebook's stepper. The ring
+here is the plain one, to read; `pipelined_ring` beside this file is the fast one, for
+benchmarks/ring.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from helpers.reference import seeded_randn
+
+
+def ring_all_reduce(tensor, trace=None) -> int:
+    """Sum `tensor` across all ranks, in place, with a ring. Returns the bytes this rank sent.
+
+    The tensor is cut into n chunks (`tensor_split`: n chunks whatever the size, differing by at
+    most one element). The ring runs 2(n-1) steps; at every step each rank sends one chunk to its
+    right and receives one from its left, so a rank sends 2(n-1)/n of the tensor in all.
+    Reduce-scatter phase (steps 0 .. n-2): rank r sends chunk r - step and adds the chunk
+    r - step - 1 that arrives; afterwards rank r holds the full sum of chunk r + 1. All-gather
+    phase (n-1 more steps): the finished chunks travel once around the ring, copied, not added.
+    If `trace` is a list, (phase, step within the phase, chunk sent, copy of the tensor) is
+    appended after each step.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.tensor_split(n)  # views into `tensor`: writing a chunk writes the tensor
+    right, left = (rank + 1) % n, (rank - 1) % n
+    bytes_sent = 0
+    for step in range(2 * (n - 1)):
+        send, receive = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[receive])
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
+                                           dist.P2POp(dist.irecv, incoming, left)])
+        for request in requests:
+            request.wait()
+        if step < n - 1:
+            chunks[receive].add_(incoming)  # reduce-scatter phase: add
+        else:
+            chunks[receive].copy_(incoming)  # all-gather phase: copy
+        bytes_sent += chunks[send].numel() * tensor.element_size()
+        if trace is not None:
+            phase, phase_step = ("reduce-scatter", step) if step < n - 1 else ("all-gather", step - n + 1)
+            trace.append((phase, phase_step, send, tensor.clone()))
+    return bytes_sent
+
+
+def ring_all_reduce_worker(rank, world_size, numel, seed, pipelined=False):
+    """Ring all-reduce of random data (the plain ring, or with `pipelined` the fast one), checked
+    against dist.all_reduce of the same data. Returns the ring's result, the reference and the
+    bytes this rank sent."""
+    from helpers.how_all_reduce_works.pipelined_ring import pipelined_ring_all_reduce
+
+    data = seeded_randn(seed + rank, numel)
+    reference = data.clone()
+    dist.all_reduce(reference)
+    bytes_sent = (pipelined_ring_all_reduce if pipelined else ring_all_reduce)(data)
+    return {"result": data, "reference": reference, "bytes_sent": bytes_sent}
+
+
+def ring_trace_worker(rank, world_size):
+    """The ring on n chunks of one number each, rank r starting with 10**r everywhere: a sum's
+    digits show which ranks it contains (1111 = all four). Returns the start and every step."""
+    data = torch.full((world_size,), 10.0**rank, dtype=torch.float64)
+    trace = [("start", -1, None, data.clone())]
+    ring_all_reduce(data, trace)
+    return trace
+
+
+def tree_all_reduce(tensor, permutation=None) -> int:
+    """Sum `tensor` across all ranks, in place, on a binary tree: reduce up to the root, then
+    broadcast down. Tree positions are heap positions (children of p: 2p+1, 2p+2) given to the
+    ranks in the order `permutation` (default: rank order). Returns the bytes this rank sent.
+
+    It takes 2 * floor(log2 n) rounds instead of the ring's 2(n-1), but every interior rank sends
+    the whole tensor to each child, so the busiest ranks send about 2x the tensor: more than the
+    ring's 2(n-1)/n, and unevenly.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    order = list(permutation) if permutation is not None else list(range(n))
+    position = order.index(rank)
+    parent = order[(position - 1) // 2] if position else None
+    children = [order[c] for c in (2 * position + 1, 2 * position + 2) if c < n]
+    size = tensor.numel() * tensor.element_size()
+    bytes_sent = 0
+    incoming = torch.empty_like(tensor)
+    for child in children:  # reduce: wait for the children's partial sums
+        dist.recv(incoming, src=child)
+        tensor += incoming
+    if parent is not None:
+        dist.send(tensor, dst=parent)
+        bytes_sent += size
+        dist.recv(tensor, src=parent)  # broadcast: the total comes back down
+    for child in children:
+        dist.send(tensor, dst=child)
+        bytes_sent += size
+    return bytes_sent
+
+
+def tree_all_reduce_worker(rank, world_size, numel, seed, double):
+    """Tree all-reduce of random data, checked against dist.all_reduce.
+
+    `double=True` is the double binary tree idea: the tensor's two halves go over two trees in
+    which the ranks are placed in opposite orders, so that ranks that are leaves (sending little)
+    in one tree are interior (sending a lot) in the other, and the load evens out. (NCCL also
+    runs both trees at once and pipelines the chunks; here they run one after the other.)
+    """
+    data = seeded_randn(seed + rank, numel)
+    reference = data.clone()
+    dist.all_reduce(reference)
+    if double:
+        first, second = data.chunk(2)
+        bytes_sent = tree_all_reduce(first) + tree_all_reduce(
+            second, permutation=list(reversed(range(world_size))))
+    else:
+        bytes_sent = tree_all_reduce(data)
+    return {"result": data, "reference": reference, "bytes_sent": bytes_sent}
+
+
+def ring_seconds(n, size_bytes, alpha, beta):
+    """alpha-beta model of the ring: 2(n-1) steps, each a latency plus one chunk of S/n bytes."""
+    return 2 * (n - 1) * (alpha + size_bytes / n / beta)
+
+
+def tree_seconds(n, size_bytes, alpha, beta):
+    """alpha-beta model of a pipelined (double) binary tree, as NCCL runs it: about 2 log2(n)
+    latencies, and the data crosses each link about twice, whatever n."""
+    return 2 * math.log2(n) * alpha + 2 * size_bytes / beta
+
+
+def all_reduce_on(topology, n, size_bytes, device_bandwidth):
+    """Bandwidth-only time of an all-reduce of `size_bytes` on `n` devices that can each send
+    `device_bandwidth` bytes/s in total, split over their links.
+
+    Rings can be laid over any of these topologies so as to use all of a device's links at once
+    (both directions of a ring; rows and columns of a torus), so the time is the same everywhere:
+    2(n-1)/n * S / B.
+    """
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}; choose one of {TOPOLOGIES}")
+    return 2 * (n - 1) / n * size_bytes / device_bandwidth
+
+
+def all_to_all_on(topology, n, size_bytes, device_bandwidth):
+    """Bandwidth-only time of an all-to-all in which each device sends (n-1)/n of `size_bytes`,
+    each device able to send `device_bandwidth` bytes/s in total.
+
+    A message that crosses h hops occupies a link at each hop, so on average every byte costs h
+    bytes of some device's bandwidth: switch 1 hop; 2-D torus (sqrt(n) x sqrt(n), wrapped)
+    about sqrt(n)/2 hops; ring about n/4 hops (going the shorter way round).
+    """
+    hops = {"switch": 1, "2-D torus": max(1, math.sqrt(n) / 2), "ring": max(1, n / 4)}[topology]
+    return (n - 1) / n * size_bytes * hops / device_bandwidth
+
+
+TOPOLOGIES = ["switch", "2-D torus", "ring"]

@@ -1,0 +1,392 @@
+"""`run(fn, world_size)` and `spawn(fn, args, nprocs)`: start N ranks, bring everything back.
+
+Every notebook uses this (first: notebooks/01_processes_and_groups.ipynb). One call:
+
+1. checks its arguments and pickles `(fn, args, kwargs)` by value with cloudpickle, so a worker
+   written in a notebook cell runs, before any process starts;
+2. makes a private temp dir: the ranks rendezvous through a file store there (no port, no DNS)
+   and leave their output in it; it is removed when the call returns;
+3. starts the ranks with `torch.multiprocessing.start_processes` from a forkserver that has already
+   imported torch and its parallelism modules, so a launch is a fork (~0.1 s), not an interpreter
+   start and an import (~3 s);
+4. drains every rank's pipe while it waits (results of any size; no full-pipe deadlock);
+5. shows each rank's output grouped in rank order, and raises `WorkerError` (the root-cause rank and
+   its traceback) or `WorkerTimeout` (where every rank was blocked); no process outlives the call.
+
+`spawn` (and `run(..., init_group=False)`) skip step 2's group: the ranks get MASTER_ADDR,
+MASTER_PORT (a free port), RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, and the function
+calls `init_process_group` itself. Under torchrun (RANK and WORLD_SIZE set) `run` runs the worker
+in this process instead: see `helpers.launcher.torchrun`. Design notes: README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from helpers.launcher import rank as _rank
+from helpers.launcher import report
+from helpers.launcher.pool import warm_up
+from helpers.launcher.report import WorkerError, WorkerTimeout
+
+MAX_WORLD_SIZE = 64
+BACKENDS = ("gloo", "nccl")
+START_METHODS = ("forkserver", "spawn")
+# After the first failure, how long the other ranks get to report their own errors (they usually
+# fail a moment later with "Connection closed by peer") before they are stopped.
+ERROR_GRACE_S = 1.0
+# gloo's full-mesh connect sometimes fails with "Connection closed by peer" while the ranks join
+# (2 launches in 500 here). It happens before any worker code runs on that rank, so the launch is
+# simply made again, at once; a join that keeps failing is reported like any other error.
+JOIN_RETRIES = 2
+STACK_DUMP_WAIT_S = 1.0
+@dataclass
+class RunResult:
+    """What `run` brings back: `results[r]` is rank r's return value, `stdout[r]` what it printed."""
+
+    results: list
+    stdout: list
+    backend: str
+
+    def __getitem__(self, rank):
+        return self.results[rank]
+
+    def __len__(self):
+        return len(self.results)
+
+    def __iter__(self):
+        return iter(self.results)
+
+    def __repr__(self):
+        return report.format_results(self.results, self.backend)
+
+    def _repr_html_(self):
+        return report.results_html(self.results, self.backend)
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when there is one GPU per rank, gloo on the CPU otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def get_device(rank: int | None = None) -> torch.device:
+    """The device rank `rank` should put its tensors on: `cuda:<local rank>` under NCCL, else CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else dist.get_rank()))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def run(
+    fn,
+    world_size: int = 2,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 60,
+    backend: str | None = None,
+    *,
+    init_group: bool = True,
+    start_method: str = "forkserver",
+    threads_per_rank: int | None = None,
+    show_output: bool = True,
+    env: dict | None = None,
+) -> RunResult:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks and return every result.
+
+    `timeout` (seconds) bounds the whole call; `show_output=False` keeps the ranks' output in
+    `out.stdout` without printing it. `env` adds environment variables for the ranks only, set
+    before they join the group (e.g. {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}). With
+    `init_group=False` the ranks join no group: `fn` calls `init_process_group` itself (see
+    `spawn`). Raises `WorkerError` if a rank raises or dies, and `WorkerTimeout` if the run
+    outlives `timeout`; in every case no rank survives the call.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from helpers.launcher.torchrun import run_in_place
+
+        _warn_ignored_under_torchrun(world_size, show_output, env, threads_per_rank)
+        return run_in_place(fn, args, kwargs or {}, backend, timeout)
+    return _launch(fn, world_size, args, kwargs, timeout, backend, init_group=init_group,
+                   pass_world_size=True, start_method=start_method,
+                   threads_per_rank=threads_per_rank, show_output=show_output, env=env)
+
+
+def spawn(
+    fn,
+    args: tuple = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "forkserver",
+    *,
+    timeout: float = 60,
+    show_output: bool = True,
+    env: dict | None = None,
+) -> RunResult:
+    """`torch.multiprocessing.spawn`, for a notebook: run `fn(i, *args)` on `nprocs` processes.
+
+    The drop-in for `mp.spawn(fn, args=(world_size, ...), nprocs=world_size, join=True)`, for code
+    that starts its own process group (a `setup()` that sets MASTER_ADDR/MASTER_PORT and calls
+    `dist.init_process_group`): no group is made for it. Each process gets MASTER_ADDR=127.0.0.1,
+    MASTER_PORT (a free port; a worker may set its own), RANK, WORLD_SIZE, LOCAL_RANK and
+    LOCAL_WORLD_SIZE, so `init_process_group("gloo")` with `env://` works too. A group the function
+    leaves initialised is destroyed. Everything else is `run`'s: a function defined in a cell, output
+    grouped by rank, `WorkerError`, `WorkerTimeout`, no process left behind; and the return values
+    come back (`mp.spawn` returns None). `daemon` changes nothing: no process outlives the call.
+    """
+    if not join:
+        raise ValueError("helpers.spawn always waits for the processes (join=True): it brings "
+                         "their output and return values back, and leaves none running")
+    return _launch(fn, nprocs, args, None, timeout, None, init_group=False, pass_world_size=False,
+                   start_method=start_method, threads_per_rank=None, show_output=show_output,
+                   env=env)
+
+
+def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_world_size,
+            start_method, threads_per_rank, show_output, env) -> RunResult:
+    kwargs = {} if kwargs is None else kwargs
+    backend = backend or default_backend(world_size)
+    _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_method, env)
+    payload = _pickle_payload(fn, args, kwargs)
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+
+    started = time.monotonic()
+    out_dir = tempfile.mkdtemp(prefix="helpers-run-")
+    job = _rank.Job(
+        payload=payload, world_size=world_size, backend=backend, out_dir=out_dir,
+        timeout_s=timeout, threads_per_rank=threads, init_group=init_group,
+        pass_world_size=pass_world_size, environ=_rank_environ(env or {}, init_group),
+        sys_path=list(sys.path), cwd=os.getcwd(),
+    )
+    processes, connections = [], []
+    try:
+        for job.attempt in range(1 + JOIN_RETRIES):
+            processes, connections = _start(job, start_method)
+            messages, died, unfinished = _collect(processes, connections, started + timeout)
+            if not _join_failed(messages) or job.attempt == JOIN_RETRIES:
+                break
+            _stop(processes, connections)
+            report.clear_outputs(out_dir, world_size)
+        stacks = _dump_stacks(processes, unfinished, out_dir) if unfinished else {}
+        outputs = report.read_outputs(out_dir, world_size)
+        if show_output:
+            report.print_outputs(outputs)
+        if unfinished:
+            raise WorkerTimeout(timeout, stacks, messages, died, world_size)
+        results = _unpack(messages, died, outputs)
+        return RunResult(results, outputs, backend)
+    finally:
+        _stop(processes, connections)
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _warn_ignored_under_torchrun(world_size, show_output, env, threads_per_rank):
+    """Under torchrun the processes already exist: say which of run()'s arguments cannot apply."""
+    started = int(os.environ["WORLD_SIZE"])
+    ignored = []
+    if world_size != started:
+        ignored.append(f"world_size={world_size} (torchrun started {started} processes)")
+    if not show_output:
+        ignored.append("show_output=False (each process prints straight to torchrun's output)")
+    if env:
+        ignored.append("env (set variables before torchrun starts, e.g. in the shell)")
+    if threads_per_rank:
+        ignored.append("threads_per_rank (set OMP_NUM_THREADS for torchrun)")
+    if ignored:
+        warnings.warn("run() under torchrun ignores " + "; ".join(ignored), stacklevel=3)
+
+
+def _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_method, env):
+    if not callable(fn):
+        raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {world_size!r}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(
+            f"world_size must be between 1 and {MAX_WORLD_SIZE} on one machine, got {world_size}"
+        )
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of extra arguments, got {type(args).__name__}")
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    if env is not None and not isinstance(env, dict):
+        raise TypeError(f"env must be a dict of environment variables, got {type(env).__name__}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: {world_size} ranks, "
+            f"{torch.cuda.device_count()} GPUs here"
+        )
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+
+
+def _pickle_payload(fn, args, kwargs) -> bytes:
+    try:
+        return cloudpickle.dumps((fn, tuple(args), kwargs))
+    except Exception as exc:
+        raise TypeError(
+            f"the worker and its arguments must be picklable to reach the ranks: {exc}"
+        ) from exc
+
+
+def _rank_environ(extra: dict, init_group: bool) -> dict:
+    """The kernel's environment now (the forkserver's is from its start), gloo kept on loopback,
+    the variables of an env:// rendezvous for ranks that start their own group, then `extra`.
+    The per-rank ones (RANK, LOCAL_RANK) are added in each rank."""
+    environ = dict(os.environ)
+    loopback = _loopback_interface()
+    if loopback:
+        environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    if not init_group:
+        environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        # The TCP store rank 0 starts asks DNS for the name of 127.0.0.1 (for its log messages);
+        # an unanswered query costs the resolver's 5 s timeout. Ask once, for 1 s: after a failed
+        # lookup torch stops looking names up in that process (README.md beside this file).
+        environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    environ.update({name: str(value) for name, value in extra.items()})
+    return environ
+
+
+def _loopback_interface() -> str | None:
+    """'lo' on Linux, 'lo0' on macOS. Binding gloo to it also skips a hostname lookup per rank."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name.startswith("lo")), None)
+
+
+def _free_port() -> int:
+    """A TCP port nobody listens on now (the kernel picks it), for rank 0's store."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start(job: _rank.Job, start_method: str):
+    if start_method == "forkserver":
+        warm_up()  # at once if the pool is warm; else start it, or wait for the one starting
+    receivers, senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(job.world_size)))
+    try:
+        context = torch.multiprocessing.start_processes(
+            _rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
+            start_method=start_method,
+        )
+    finally:
+        for sender in senders:  # the ranks hold their own copies now
+            sender.close()
+    return context.processes, list(receivers)
+
+
+def _rank_entry(rank, job, senders):
+    # start_processes hands every rank the same arguments: keep only this rank's pipe open, so
+    # that a rank which dies leaves its pipe with no writer (the parent reads EOF at once).
+    for other, sender in enumerate(senders):
+        if other != rank:
+            sender.close()
+    _rank.rank_main(rank, job, senders[rank])
+
+
+def _collect(processes, connections, deadline):
+    """Wait for one message per rank, reading each as soon as it arrives; watch for deaths.
+
+    Returns (messages, died, unfinished): rank -> message, rank -> exit code of a rank that ended
+    without a word, and the ranks still running at the deadline (empty unless it timed out).
+    """
+    messages, died = {}, {}
+    pending = {connection: rank for rank, connection in enumerate(connections)}
+    sentinel_rank = {process.sentinel: rank for rank, process in enumerate(processes)}
+    first_error = None
+    while pending:
+        now = time.monotonic()
+        limit = deadline if first_error is None else min(deadline, first_error + ERROR_GRACE_S)
+        if now >= limit:
+            break
+        waitables = list(pending) + [s for s, r in sentinel_rank.items() if connections[r] in pending]
+        for ready in multiprocessing.connection.wait(waitables, timeout=limit - now):
+            rank = pending.get(ready, sentinel_rank.get(ready))
+            connection = connections[rank]
+            if connection not in pending:
+                continue
+            del pending[connection]
+            try:
+                # A rank that ended may still have its message in the pipe: read that first.
+                if ready is not connection and not connection.poll():
+                    raise EOFError
+                messages[rank] = pickle.loads(connection.recv_bytes())
+            except EOFError:  # ended without a word: killed by a signal, or os._exit
+                processes[rank].join(1)
+                died[rank] = processes[rank].exitcode
+            if rank in died or messages[rank][0] != "ok":
+                if messages.get(rank, ("",))[0] == "init_error":
+                    return messages, died, []  # no worker code has run there: retry at once
+                first_error = first_error if first_error is not None else time.monotonic()
+    timed_out = first_error is None and pending
+    return messages, died, sorted(pending.values()) if timed_out else []
+
+
+def _dump_stacks(processes, ranks, out_dir) -> dict:
+    """Ask each unfinished rank for its Python stack (faulthandler) and return rank -> dump text."""
+    for rank in ranks:
+        try:
+            os.kill(processes[rank].pid, _rank.STACK_DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    sizes, settled, give_up = {}, set(), time.monotonic() + STACK_DUMP_WAIT_S
+    while len(settled) < len(ranks) and time.monotonic() < give_up:
+        time.sleep(0.05)
+        for rank in ranks:  # a dump is complete once it is non-empty and stopped growing
+            size = os.path.getsize(_rank.stack_path(out_dir, rank))
+            if size and size == sizes.get(rank):
+                settled.add(rank)
+            sizes[rank] = size
+    dumps = {}
+    for rank in ranks:
+        with open(_rank.stack_path(out_dir, rank)) as stack_file:
+            dumps[rank] = stack_file.read()
+    return dumps
+
+
+def _unpack(messages, died, outputs):
+    errors = {rank: message[1] for rank, message in messages.items() if message[0] != "ok"}
+    if errors or died:
+        finished = sorted(rank for rank, message in messages.items() if message[0] == "ok")
+        raise WorkerError.from_reports(errors, died, finished, outputs, len(outputs))
+    return [cloudpickle.loads(messages[rank][1]) for rank in range(len(outputs))]
+
+
+def _join_failed(messages) -> bool:
+    return any(kind == "init_error" for kind, _ in messages.values())
+
+
+def _stop(processes, connections):
+    """Kill whatever is still running (the rank and anything it started), reap it, close pipes."""
+    for process in processes:
+        if process.is_alive():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                process.kill()
+    for process in processes:
+        process.join(5)
+        process.close()
+    for connection in connections:
+        connection.close()

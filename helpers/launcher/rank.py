@@ -1,0 +1,222 @@
+"""What runs inside each rank's process: capture output, join the group, call the worker, report.
+
+The parent side is `helpers.launcher.launch`; this module is preloaded by the forkserver so a launch costs a
+fork, not an `import torch`. Every rank sends exactly one message back on its pipe, then leaves with `os._exit`:
+``("ok", result_bytes)``, ``("error", ExceptionReport)`` when the worker raised, or
+``("init_error", ExceptionReport)`` when joining the process group failed (before the worker ran).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+@dataclass
+class Job:
+    """Everything a rank needs, pickled once by the parent and handed to every rank."""
+
+    payload: bytes  # cloudpickle of (fn, args, kwargs), shipped by value
+    world_size: int
+    backend: str
+    out_dir: str
+    timeout_s: float
+    threads_per_rank: int
+    init_group: bool = True  # False: the worker calls init_process_group itself (spawn)
+    pass_world_size: bool = True  # fn(rank, world_size, *args) (run) or fn(rank, *args) (spawn)
+    environ: dict = field(default_factory=dict)  # the kernel's, as of this launch
+    sys_path: list = field(default_factory=list)
+    cwd: str = "."
+    attempt: int = 0  # a join that failed is made again with a fresh store file
+
+
+@dataclass
+class ExceptionReport:
+    """An exception raised in a rank, in a form the parent can always unpickle."""
+
+    type_name: str
+    message: str
+    frames: list  # (filename, lineno, function name), outermost first
+    raised_at: float  # time.time() when it was caught: the earliest one is the root cause
+
+
+def output_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.out")
+
+
+def store_path(out_dir: str, attempt: int) -> str:
+    return os.path.join(out_dir, f"store{attempt}")
+
+
+def stack_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.stack")
+
+
+def rank_main(rank: int, job: Job, result_conn) -> None:
+    """Entry point of one rank's process (called by torch.multiprocessing.start_processes)."""
+    os.setpgrp()  # own process group: the parent can kill this rank and anything it started
+    _capture_output(job.out_dir, rank)
+    os.environ.clear()
+    os.environ.update(job.environ)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world_size),
+                      LOCAL_WORLD_SIZE=str(job.world_size))
+    sys.path[:] = job.sys_path
+    os.chdir(job.cwd)
+    dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG was read when the forkserver started
+    torch.set_num_threads(job.threads_per_rank)
+    _keep_destroyed_groups_alive()
+    try:
+        fn, args, kwargs = cloudpickle.loads(job.payload)
+    except BaseException as exc:  # noqa: BLE001
+        _send_and_exit(result_conn, ("error", _report(exc)))
+    if job.init_group:
+        try:
+            _init_process_group(rank, job)
+        except BaseException as exc:  # noqa: BLE001 - the launcher may retry a failed join
+            _send_and_exit(result_conn, ("init_error", _report(exc)))
+    try:
+        if job.pass_world_size:
+            result = fn(rank, job.world_size, *args, **kwargs)
+        else:
+            result = fn(rank, *args, **kwargs)
+        if dist.is_initialized():  # the worker may have left the group itself, or made its own
+            dist.destroy_process_group()
+        message = ("ok", _dumps_result(result))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        # A worker that joins its own group can hit gloo's failed join too: the launch is made again.
+        message = ("init_error" if _failed_to_join(exc) else "error", _report(exc))
+    _send_and_exit(result_conn, message)
+
+
+def _failed_to_join(exc: BaseException) -> bool:
+    """gloo's full-mesh connect failed inside `init_process_group`: no collective has run yet."""
+    names = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+    return "init_process_group" in names and "connectFullMesh" in str(exc)
+
+
+_destroyed_groups = []
+
+
+def _keep_destroyed_groups_alive() -> None:
+    """Make `destroy_process_group` keep a reference to the groups it destroys, until os._exit.
+
+    torch 2.13 can deadlock when the last reference to a gloo group goes while the GIL is held:
+    ~ProcessGroupGloo joins its worker thread, and that thread waits for the GIL to release a
+    Python object it kept (gdb: c10d::Reducer::~Reducer > ~ProcessGroupGloo > std::thread::join,
+    while pt_gloo_runloop waits in take_gil). That happens when a DDP model outlives
+    `destroy_process_group` in a tutorial's cleanup(), and goes at the worker's return. With the
+    groups kept, their destructors never run: the rank leaves with os._exit.
+    """
+    destroy = dist.distributed_c10d.destroy_process_group
+
+    def destroy_process_group(group=None):
+        world = dist.distributed_c10d._world
+        _destroyed_groups.extend(list(world.pg_map) if group is None else [group])
+        destroy(group)
+
+    destroy_process_group.__doc__ = destroy.__doc__
+    dist.destroy_process_group = dist.distributed_c10d.destroy_process_group = destroy_process_group
+
+
+def _send_and_exit(result_conn, message) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        result_conn.send_bytes(pickle.dumps(message))
+    finally:
+        # Skip interpreter shutdown: torch's C++ destructors can abort after a DDP backward
+        # ("terminate called without an active exception") once the results are already out.
+        os._exit(0)
+
+
+def _capture_output(out_dir: str, rank: int) -> None:
+    """Send fd 1 and 2 (Python prints and C++ logs alike) to this rank's file; arm the stack dump."""
+    log_fd = os.open(output_path(out_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    # Kept open for the life of the process: faulthandler writes to its file descriptor.
+    stack_file = open(stack_path(out_dir, rank), "w")  # noqa: SIM115
+    faulthandler.register(STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
+
+
+def _init_process_group(rank: int, job: Job) -> None:
+    """Join the group through a FileStore in this run's private directory.
+
+    Not a TCPStore: its client and server look up a host name for every connection (to log the
+    peer as ::ffff:127.0.0.1, which /etc/hosts does not list), and when that DNS query goes
+    unanswered the resolver waits 5 s. A file needs no port, no DNS and no network interface.
+    """
+    timeout = timedelta(seconds=job.timeout_s)
+    store = dist.FileStore(store_path(job.out_dir, job.attempt), job.world_size)
+    store.set_timeout(timeout)
+    device_id = None
+    if job.backend == "nccl":
+        device_id = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        job.backend,
+        store=store,
+        rank=rank,
+        world_size=job.world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+
+
+class _ByValuePickler(cloudpickle.Pickler):
+    """cloudpickle, plus: tensors travel detached and on the CPU (never a CUDA or autograd handle)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):
+            return _identity, (obj.detach().cpu(),)
+        return super().reducer_override(obj)
+
+
+def _identity(value):
+    return value
+
+
+def dumps_by_value(value) -> bytes:
+    buffer = io.BytesIO()
+    _ByValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+class ResultNotPicklable(TypeError):
+    """The worker returned something that cannot travel back (a lock, a generator, an open file)."""
+
+
+def _dumps_result(result) -> bytes:
+    try:
+        return dumps_by_value(result)
+    except Exception as exc:
+        raise ResultNotPicklable(
+            f"the worker's return value cannot be sent back to the notebook ({exc}); "
+            "return plain data: tensors, numbers, lists, dicts, dataclasses"
+        ) from exc
+
+
+def _report(exc: BaseException) -> ExceptionReport:
+    frames = [
+        (frame.filename, frame.lineno, frame.name)
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if frame.filename != __file__
+    ]
+    return ExceptionReport(type(exc).__name__, str(exc), frames, time.time())

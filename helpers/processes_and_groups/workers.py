@@ -1,0 +1,98 @@
+"""Lesson 01's workers: the GIL measured, halves of the world, a 2-D grid of groups.
+
+Workers return plain data; the pictures are drawn in the kernel (`plots` beside this file).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from helpers.launcher import run
+
+
+def busy_loop(iterations: int) -> int:
+    """Pure-Python, CPU-bound work: it holds the GIL the whole time."""
+    total = 0
+    for i in range(iterations):
+        total += i * i % 7
+    return total
+
+
+def busy_worker(rank, world_size, iterations):
+    """Each rank does the same busy loop in its own process (its own interpreter, its own GIL)."""
+    return busy_loop(iterations)
+
+
+def time_threads_and_processes(worker_counts, iterations) -> dict:
+    """Wall time of `n` copies of the busy loop, as n threads in this process and as n ranks."""
+    timings = {"workers": list(worker_counts), "threads": [], "processes": []}
+    run(busy_worker, 1, args=(1,), show_output=False)  # start the launcher before timing it
+    for count in worker_counts:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            list(pool.map(busy_loop, [iterations] * count))
+        timings["threads"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        run(busy_worker, count, args=(iterations,), show_output=False, threads_per_rank=1)
+        timings["processes"].append(time.perf_counter() - started)
+    return timings
+
+
+def halves_worker(rank, world_size):
+    """Split the world in two halves and all-reduce SUM inside each half (`dist.new_group`).
+
+    Before: rank r holds the tensor [r]. After: every rank holds the sum of the ranks of its own
+    half. Every rank must call `new_group` for *both* groups, in the same order, even the group it
+    is not in: creating a group is itself a collective over the whole world.
+    """
+    first_half = list(range(world_size // 2))
+    second_half = list(range(world_size // 2, world_size))
+    groups = [dist.new_group(first_half), dist.new_group(second_half)]
+    mine = 0 if rank in first_half else 1
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=groups[mine])
+    return {
+        "rank": rank,
+        "group": mine,
+        "group_ranks": dist.get_process_group_ranks(groups[mine]),
+        "group_rank": dist.get_rank(groups[mine]),
+        "group_sum": int(value.item()),
+    }
+
+
+def grid_worker(rank, world_size, rows):
+    """A rows x cols grid of ranks with one group per row and one per column (the 2-D layout of
+    data x tensor parallelism). Rank r sits at (r // cols, r % cols).
+
+    Before: rank r holds [r]. After: `row_sum` is the sum over its row group, `col_sum` over its
+    column group. Also returns the groups `init_device_mesh` builds for the same shape, so the
+    notebook can check the hand-made groups against PyTorch's own.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cols = world_size // rows
+    if rows * cols != world_size:
+        raise ValueError(f"{world_size} ranks do not fill a grid with {rows} rows")
+    row_groups = [dist.new_group([r * cols + c for c in range(cols)]) for r in range(rows)]
+    col_groups = [dist.new_group([r * cols + c for r in range(rows)]) for c in range(cols)]
+    row, col = divmod(rank, cols)
+    row_sum, col_sum = torch.tensor([float(rank)]), torch.tensor([float(rank)])
+    dist.all_reduce(row_sum, group=row_groups[row])
+    dist.all_reduce(col_sum, group=col_groups[col])
+    # Mesh dimension "tp" varies the column, so its group is this rank's row; "dp" is the column.
+    mesh = init_device_mesh("cpu", (rows, cols), mesh_dim_names=("dp", "tp"))
+    return {
+        "rank": rank,
+        "row": row,
+        "col": col,
+        "row_ranks": dist.get_process_group_ranks(row_groups[row]),
+        "col_ranks": dist.get_process_group_ranks(col_groups[col]),
+        "row_sum": int(row_sum.item()),
+        "col_sum": int(col_sum.item()),
+        "mesh_tp_ranks": dist.get_process_group_ranks(mesh.get_group("tp")),
+        "mesh_dp_ranks": dist.get_process_group_ranks(mesh.get_group("dp")),
+    }

@@ -1,0 +1,164 @@
+"""Lesson 05 (helpers.how_all_reduce_works): ring and tree all-reduce against dist.all_reduce and
+the single-process sum, bytes against their formulas, the trace, the cost models, the exercises."""
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checker import expect_rejection
+from helpers import run
+from helpers.how_all_reduce_works import workers as algorithms
+from helpers.reference import seeded_randn
+
+
+def single_process_sum(numel, seed, world_size):
+    return sum(seeded_randn(seed + r, numel) for r in range(world_size))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("world_size, numel", [
+    (2, 160), (4, 160), (3, 163), (5, 163), (6, 25), (7, 1000), (7, 5),
+])
+def test_ring_all_reduce_equals_the_sum_and_sends_2_n_minus_1_over_n(world_size, numel, pipelined):
+    out = run(algorithms.ring_all_reduce_worker, world_size, args=(numel, 3, pipelined),
+              show_output=False)
+    total = single_process_sum(numel, 3, world_size)
+    for result in out:
+        torch.testing.assert_close(result["result"], total)
+        torch.testing.assert_close(result["reference"], total)
+    # n chunks whose sizes differ by at most one: the first numel % n of them one longer
+    chunk_sizes = [numel // world_size + (c < numel % world_size) for c in range(world_size)]
+    for rank, result in enumerate(out):
+        # rank r sends chunks r, r-1, ..., each once per phase except the one it receives last
+        sent_chunks = [(rank - step) % world_size for step in range(2 * (world_size - 1))]
+        assert result["bytes_sent"] == 4 * sum(chunk_sizes[c] for c in sent_chunks)
+        if numel % world_size == 0:
+            assert result["bytes_sent"] == 2 * (world_size - 1) / world_size * numel * 4
+
+
+def test_ring_trace_shows_partial_sums_spreading():
+    world_size = 4
+    traces = run(algorithms.ring_trace_worker, world_size, show_output=False).results
+    everyone = sum(10.0**r for r in range(world_size))
+    assert [len(trace) for trace in traces] == [1 + 2 * (world_size - 1)] * world_size
+    for rank, trace in enumerate(traces):
+        torch.testing.assert_close(trace[0][3], torch.full((world_size,), 10.0**rank, dtype=torch.float64))
+        # after the reduce-scatter phase rank r owns the full sum of chunk r + 1
+        assert trace[world_size - 1][3][(rank + 1) % world_size] == everyone
+        torch.testing.assert_close(trace[-1][3], torch.full((world_size,), everyone, dtype=torch.float64))
+        # after reduce-scatter step s, the chunk received contains ranks r - s - 1 ... r
+        for step in range(world_size - 1):
+            chunk = (rank - step - 1) % world_size
+            expected = sum(10.0 ** ((rank - k) % world_size) for k in range(step + 2))
+            assert trace[1 + step][3][chunk] == expected
+
+
+def tree_bytes(world_size, order, size):
+    """Bytes each rank sends on a heap-shaped tree: once up (unless root), once per child down."""
+    sent = {}
+    for position, rank in enumerate(order):
+        children = sum(1 for c in (2 * position + 1, 2 * position + 2) if c < world_size)
+        sent[rank] = size * ((position > 0) + children)
+    return [sent[r] for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 6, 7])
+@pytest.mark.parametrize("double", [False, True])
+def test_tree_all_reduce_equals_the_sum_and_counts_its_bytes(world_size, double):
+    numel = 64
+    out = run(algorithms.tree_all_reduce_worker, world_size, args=(numel, 5, double), show_output=False)
+    total = single_process_sum(numel, 5, world_size)
+    for result in out:
+        torch.testing.assert_close(result["result"], total)
+    if double:
+        half = numel // 2 * 4
+        first = tree_bytes(world_size, list(range(world_size)), half)
+        second = tree_bytes(world_size, list(reversed(range(world_size))), half)
+        expected = [a + b for a, b in zip(first, second)]
+    else:
+        expected = tree_bytes(world_size, list(range(world_size)), numel * 4)
+    assert [result["bytes_sent"] for result in out] == expected
+    assert sum(expected) == 2 * (world_size - 1) * numel * 4  # every edge carries M up and M down
+
+
+def test_double_tree_is_more_even_than_one_tree():
+    world_size = 6
+    single = run(algorithms.tree_all_reduce_worker, world_size, args=(64, 0, False), show_output=False)
+    double = run(algorithms.tree_all_reduce_worker, world_size, args=(64, 0, True), show_output=False)
+    assert max(r["bytes_sent"] for r in double) < max(r["bytes_sent"] for r in single)
+
+
+def test_cost_models_follow_their_formulas():
+    alpha, beta = 5e-6, 50e9
+    assert algorithms.ring_seconds(8, 1e6, alpha, beta) == pytest.approx(14 * (alpha + 1e6 / 8 / beta))
+    assert algorithms.tree_seconds(8, 1e6, alpha, beta) == pytest.approx(6 * alpha + 2e6 / beta)
+    for topology in algorithms.TOPOLOGIES:
+        assert algorithms.all_reduce_on(topology, 64, 1e8, 5e10) == pytest.approx(2 * 63 / 64 * 1e8 / 5e10)
+    hops = {"switch": 1, "2-D torus": math.sqrt(64) / 2, "ring": 64 / 4}
+    for topology, h in hops.items():
+        assert algorithms.all_to_all_on(topology, 64, 1e8, 5e10) == pytest.approx(63 / 64 * 1e8 * h / 5e10)
+    with pytest.raises(ValueError, match="unknown topology"):
+        algorithms.all_reduce_on("hypercube", 8, 1e6, 1e9)
+
+
+def test_stepper_and_topology_widgets_build():
+    from helpers.how_all_reduce_works import widgets
+
+    traces = run(algorithms.ring_trace_worker, 3, show_output=False).results
+    stepper = widgets.ring_stepper(traces)
+    assert stepper.children[0].max == 4
+    explorer = widgets.topology_explorer(16, 10.0, 100.0)
+    assert [child.description for child in explorer.children[:3]] == ["devices", "MB each", "GB/s each"]
+
+
+# Typical wrong answers to the exercises, and what the checker says.
+
+
+def _ring_with_a_bug(rank, world_size, data, steps):
+    """The exercise's ring, adding at every step (right only in the reduce-scatter phase)."""
+    chunks = list(data.chunk(world_size))
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for step in range(steps):
+        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
+        incoming = torch.empty_like(chunks[receive])
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
+                                           dist.P2POp(dist.irecv, incoming, left)])
+        for request in requests:
+            request.wait()
+        chunks[receive] += incoming
+    return data
+
+
+def ring_that_adds_in_both_phases(rank, world_size, data):
+    return _ring_with_a_bug(rank, world_size, data, steps=2 * (world_size - 1))
+
+
+def ring_without_all_gather(rank, world_size, data):
+    return _ring_with_a_bug(rank, world_size, data, steps=world_size - 1)
+
+
+def tree_with_wrong_parent(rank, world_size, tensor):
+    incoming = torch.empty_like(tensor)
+    for child in (2 * rank + 1, 2 * rank + 2):
+        if child < world_size:
+            dist.recv(incoming, src=child)
+            tensor += incoming
+    if rank > 0:
+        dist.send(tensor, dst=rank // 2)  # should be (rank - 1) // 2
+        return None
+    return tensor
+
+
+@pytest.mark.parametrize("name, mistake, says", [
+    ("ring_all_reduce", ring_that_adds_in_both_phases, "On 2 ranks, rank 0: expected tensor("),
+    ("ring_all_reduce", ring_without_all_gather, "On 2 ranks, rank 0: expected tensor("),
+    ("tree_reduce", tree_with_wrong_parent, "On 5 ranks"),
+])
+def test_checker_rejects_a_typical_mistake(name, mistake, says):
+    expect_rejection(name, mistake, says)

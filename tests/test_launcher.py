@@ -1,0 +1,331 @@
+"""helpers.run: results, output, errors, timeouts, clean-up. Every expected value is computed here."""
+
+import multiprocessing.resource_tracker
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from helpers import WorkerError, WorkerTimeout, run
+from helpers.launcher.pool import forkserver_pid
+from workers import (
+    abort_on_rank_one, all_reduce_worker, big_result_worker, device_worker, environment_worker,
+    grad_worker,
+    kwargs_worker, printing_worker, raise_on_rank, send_first_worker, spin_worker,
+    unpicklable_result_worker,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_equal_the_formula(world_size):
+    out = run(all_reduce_worker, world_size, args=(0.5,), show_output=False)
+    ranks_plus_one = sum(range(1, world_size + 1))
+    expected = torch.arange(4, dtype=torch.float64) * ranks_plus_one + 0.5 * world_size
+    assert len(out) == world_size
+    for rank in range(world_size):
+        torch.testing.assert_close(out[rank], expected)
+        assert out.results[rank] is out[rank]
+    assert out.backend == "gloo"
+
+
+def test_kwargs_and_plain_data_come_back():
+    out = run(kwargs_worker, 3, kwargs={"scale": 10, "offset": 1}, show_output=False)
+    assert out.results == [{"rank": r, "world_size": 3, "value": r * 10 + 1} for r in range(3)]
+
+
+def test_results_of_several_megabytes_arrive_intact():
+    out = run(big_result_worker, 4, args=(8,), show_output=False)
+    for rank in range(4):
+        expected = torch.randn(8 * 2**20 // 4, generator=torch.Generator().manual_seed(rank))
+        torch.testing.assert_close(out[rank], expected, rtol=0, atol=0)
+
+
+def test_tensors_come_back_detached_on_cpu():
+    out = run(grad_worker, 2, show_output=False)
+    for rank in range(2):
+        torch.testing.assert_close(out[rank]["weight"], torch.full((3,), float(rank)))
+        torch.testing.assert_close(out[rank]["grad"], torch.full((3,), 2.0))
+        torch.testing.assert_close(out[rank]["activation"], torch.full((3,), 3.0 * rank))
+        assert not out[rank]["activation"].requires_grad
+        assert out[rank]["activation"].device.type == "cpu"
+
+
+def test_output_is_grouped_by_rank_in_rank_order(capsys):
+    out = run(printing_worker, 3)
+    shown = capsys.readouterr().out.splitlines()
+    expected = [
+        line
+        for rank in range(3)
+        for line in (f"[rank {rank}] line one from rank {rank}",
+                     f"[rank {rank}] to stderr from rank {rank}",
+                     f"[rank {rank}] raw fd write from rank {rank}")
+    ]
+    assert shown == expected
+    assert out.stdout[2] == (
+        "line one from rank 2\nto stderr from rank 2\nraw fd write from rank 2\n"
+    )
+    assert not any("[Gloo]" in text for text in out.stdout)
+
+
+def test_show_output_false_prints_nothing(capsys):
+    out = run(printing_worker, 2, show_output=False)
+    assert capsys.readouterr().out == ""
+    assert "line one from rank 1" in out.stdout[1]
+
+
+def test_cpu_device_and_threads_fit_the_cores():
+    out = run(device_worker, 2, show_output=False)
+    cores = os.cpu_count()
+    assert out.results == [("cpu", max(1, cores // 2))] * 2
+
+
+@pytest.mark.parametrize("failing_rank", [0, 2])
+def test_exception_names_rank_and_original_message(failing_rank):
+    with pytest.raises(WorkerError) as caught:
+        run(raise_on_rank, 3, args=(failing_rank,), show_output=False)
+    error = caught.value
+    assert error.rank == failing_rank
+    assert error.type_name == "ValueError"
+    assert error.message == f"rank {failing_rank} refuses"
+    text = str(error)
+    assert text.startswith(f"rank {failing_rank} raised ValueError: rank {failing_rank} refuses")
+    assert "in raise_on_rank" in text and 'raise ValueError(f"rank {rank} refuses")' in text
+    others = [rank for rank in range(3) if rank != failing_rank]
+    assert f"ranks {others[0]}, {others[1]} stopped or failed after rank {failing_rank}" in text
+    assert set(error.others) <= set(others)
+
+
+def test_a_rank_killed_by_a_signal_is_the_root_cause():
+    with pytest.raises(WorkerError) as caught:
+        run(abort_on_rank_one, 2, show_output=False)
+    assert caught.value.rank == 1
+    assert str(caught.value).startswith("rank 1 died from signal SIGABRT")
+
+
+def test_unpicklable_result_is_a_clear_error():
+    with pytest.raises(WorkerError, match="cannot be sent back to the notebook"):
+        run(unpicklable_result_worker, 2, show_output=False)
+
+
+def test_send_send_deadlock_ends_at_the_timeout_naming_the_call():
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeout) as caught:
+        run(send_first_worker, 2, timeout=3, show_output=False)
+    assert time.monotonic() - started < 3 + 10  # it ends; not a speed claim
+    line = send_first_worker.__code__.co_firstlineno + 2
+    for rank in range(2):
+        where = caught.value.where[rank]
+        assert where.startswith("blocked in torch.distributed.send(), called from send_first_worker")
+        assert f'workers.py", line {line}: dist.send(tensor, dst=1 - rank)' in where
+
+
+def test_timeout_in_plain_python_code_reports_the_line():
+    with pytest.raises(WorkerTimeout) as caught:
+        run(spin_worker, 2, timeout=2, show_output=False)
+    first = spin_worker.__code__.co_firstlineno
+    possible = {
+        f'in spin_worker at "{spin_worker.__code__.co_filename}", line {first + 3}: while True:',
+        f'in spin_worker at "{spin_worker.__code__.co_filename}", line {first + 4}: pass',
+    }
+    assert caught.value.where[1] in possible
+    assert "  rank 0: finished" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "arguments, error, message",
+    [
+        ({"world_size": 0}, ValueError, "world_size must be between 1 and 64"),
+        ({"world_size": 1000}, ValueError, "world_size must be between 1 and 64"),
+        ({"world_size": 2.0}, TypeError, "world_size must be an int"),
+        ({"world_size": 2, "args": (threading.Lock(),)}, TypeError, "must be picklable"),
+        ({"world_size": 2, "timeout": 0}, ValueError, "timeout must be a positive number"),
+        ({"world_size": 2, "backend": "mpi"}, ValueError, "backend must be one of"),
+        ({"world_size": 2, "args": 5}, TypeError, "args must be a tuple"),
+        ({"world_size": 2, "env": ["A=1"]}, TypeError, "env must be a dict"),
+    ],
+)
+def test_bad_arguments_fail_before_anything_starts(arguments, error, message):
+    before = _worker_processes()
+    with pytest.raises(error, match=message):
+        run(all_reduce_worker, **arguments)
+    assert _worker_processes() == before
+
+
+def test_env_reaches_the_ranks_and_the_kernel_environment_does_too(monkeypatch):
+    monkeypatch.setenv("COURSE_SET_IN_KERNEL", "after the forkserver started")
+    extra = run(environment_worker, 2, args=("COURSE_EXTRA",), env={"COURSE_EXTRA": 7},
+                show_output=False)
+    kernel = run(environment_worker, 2, args=("COURSE_SET_IN_KERNEL",), show_output=False)
+    assert extra.results == ["7", "7"]
+    assert kernel.results == ["after the forkserver started"] * 2
+    assert "COURSE_EXTRA" not in os.environ
+
+
+def test_not_a_function_is_refused():
+    with pytest.raises(TypeError, match="needs a function"):
+        run("all_reduce_worker", 2)
+
+
+def test_spawn_start_method_gives_the_same_results():
+    out = run(all_reduce_worker, 2, args=(1.0,), start_method="spawn", show_output=False)
+    expected = torch.arange(4, dtype=torch.float64) * 3 + 2.0
+    for rank in range(2):
+        torch.testing.assert_close(out[rank], expected)
+
+
+def _worker_processes():
+    """Processes started for ranks: our descendants, less the two long-lived helpers that
+    multiprocessing keeps per interpreter (the forkserver and the resource tracker)."""
+    helpers = {forkserver_pid(), multiprocessing.resource_tracker._resource_tracker._pid}
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.pid not in helpers}
+
+
+def _leftover_files():
+    return set(os.listdir(tempfile.gettempdir()))
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_nothing_is_left_behind_after_50_launches_an_error_and_a_timeout(tmp_path, monkeypatch):
+    run(all_reduce_worker, 2, args=(0.0,), show_output=False)  # forkserver is up
+    # A private temp dir, so that other programs using /tmp meanwhile cannot confuse the count.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fds, files = _open_fds(), _leftover_files()
+    for _ in range(50):
+        run(all_reduce_worker, 4, args=(0.0,), show_output=False)
+    with pytest.raises(WorkerError):
+        run(raise_on_rank, 4, args=(1,), show_output=False)
+    with pytest.raises(WorkerTimeout):
+        run(send_first_worker, 2, timeout=2, show_output=False)
+    assert _worker_processes() == set()
+    assert _open_fds() == fds
+    assert _leftover_files() == files
+
+
+def test_keyboard_interrupt_stops_every_worker():
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run(send_first_worker, 2, timeout=30, show_output=False)
+    timer.join()
+    assert _worker_processes() == set()
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import dataclasses, sys
+    import torch, torch.distributed as dist
+    from helpers import run
+
+    @dataclasses.dataclass
+    class Message:
+        rank: int
+        total: float
+
+    class Doubler(torch.nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    def make_offset(value):
+        return lambda: value  # a closure over value, shipped by value
+
+    def worker(rank, world_size, model, offset):
+        value = model(torch.tensor([float(rank)])) + offset()
+        dist.all_reduce(value)
+        return Message(rank, value.item())
+
+    if __name__ == "__main__":
+        out = run(worker, int(sys.argv[1]), args=(Doubler(), make_offset(1.0)), show_output=False)
+        assert all(isinstance(message, Message) for message in out)
+        print(repr([dataclasses.astuple(message) for message in out.results]))
+    """
+)
+
+
+def _run_script(tmp_path, name, world_size):
+    script = tmp_path / name
+    script.write_text(SCRIPT)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(world_size)], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _expected_script_output(world_size):
+    total = float(sum(2 * r + 1 for r in range(world_size)))
+    return repr([(rank, total) for rank in range(world_size)])
+
+
+def test_worker_defined_in_main_script_runs(tmp_path):
+    stdout, stderr = _run_script(tmp_path, "cell_like.py", 3).communicate(timeout=120)
+    assert stdout.strip() == _expected_script_output(3), stderr
+
+
+def test_two_processes_launching_at_once_both_succeed(tmp_path):
+    first = _run_script(tmp_path, "first.py", 2)
+    second = _run_script(tmp_path, "second.py", 4)
+    for process, world_size in ((first, 2), (second, 4)):
+        stdout, stderr = process.communicate(timeout=120)
+        assert stdout.strip() == _expected_script_output(world_size), stderr
+
+
+def test_runresult_repr_shows_every_rank():
+    out = run(kwargs_worker, 2, kwargs={"scale": 1}, show_output=False)
+    assert repr(out) == (
+        "RunResult: 2 ranks, gloo\n"
+        "  rank 0: {'rank': 0, 'world_size': 2, 'value': 0}\n"
+        "  rank 1: {'rank': 1, 'world_size': 2, 'value': 1}"
+    )
+    assert "<td style='text-align:right'>rank 1</td>" in out._repr_html_()
+
+
+def test_results_pickle_round_trip():
+    out = run(kwargs_worker, 2, kwargs={"scale": 2}, show_output=False)
+    assert pickle.loads(pickle.dumps(out.results)) == out.results
+
+
+def test_torchrun_runs_the_same_worker(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    completed = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "helpers.launcher.torchrun",
+         "helpers.processes_and_groups.workers:halves_worker"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )
+    assert completed.returncode == 0, completed.stderr
+    lines = sorted(line for line in completed.stdout.splitlines() if line.startswith("[rank"))
+    assert lines[0].startswith("[rank 0] device=cpu result=")
+    assert "'group_sum': 0" in lines[0] and "'group_sum': 1" in lines[1]
+
+
+def test_root_cause_skips_errors_that_echo_a_peer_failure():
+    from helpers.launcher.rank import ExceptionReport
+
+    echo = ExceptionReport("RuntimeError", "Connection closed by peer [127.0.0.1]:4242", [], 1.0)
+    cause = ExceptionReport("ValueError", "bad shape", [], 2.0)
+    later = ExceptionReport("KeyError", "'x'", [], 3.0)
+    error = WorkerError.from_reports({0: echo, 1: cause, 2: later}, {}, [3], ["", "", "", ""], 4)
+    assert (error.rank, error.type_name) == (1, "ValueError")
+    assert error.others == {0: "RuntimeError: Connection closed by peer [127.0.0.1]", 2: "KeyError: 'x'"}
+    assert str(error).endswith("ranks 0, 2 stopped or failed after rank 1 "
+                               "(what they reported is in this error's .others).\nrank 3 had finished.")
+
+
+def test_simultaneous_root_causes_name_the_lowest_rank():
+    from helpers.launcher.rank import ExceptionReport
+
+    errors = {rank: ExceptionReport("RuntimeError", f"mismatch seen by {rank}", [], 5.0 - rank * 1e-3)
+              for rank in range(3)}
+    assert WorkerError.from_reports(errors, {}, [], ["", "", ""], 3).rank == 0

@@ -1,0 +1,118 @@
+"""Lesson 04 (helpers.measuring_communication): the bandwidth formulas, the alpha-beta fit, the
+benchmark worker, the published figures and the exercises."""
+
+import math
+import types
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+
+from checker import expect_rejection
+from helpers import WorkerError, run
+from helpers.measuring_communication import plots, published
+from helpers.measuring_communication import workers as bench
+from helpers.measuring_communication.solutions import bus_bandwidth
+
+
+# nccl-tests' doc/PERFORMANCE.md: all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all
+# (n-1)/n; broadcast, reduce 1. Their values at n = 4 and n = 8:
+FACTOR_AT = {4: {"all_reduce": 1.5, "reduce_scatter": 0.75, "all_gather": 0.75, "all_to_all": 0.75,
+                 "broadcast": 1.0, "reduce": 1.0},
+             8: {"all_reduce": 1.75, "reduce_scatter": 0.875, "all_gather": 0.875,
+                 "all_to_all": 0.875, "broadcast": 1.0, "reduce": 1.0}}
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+@pytest.mark.parametrize("op", bench.OPERATIONS)
+def test_algbw_and_busbw_follow_nccl_tests(op, world_size):
+    record = bench.bandwidths(op, world_size, 3 * 2**20, 0.002)
+    assert record["algbw"] == pytest.approx(3 * 2**20 / 0.002)
+    assert record["busbw"] == pytest.approx(3 * 2**20 / 0.002 * FACTOR_AT[world_size][op])
+
+
+def test_reduce_scatter_on_the_output_size_is_n_times_too_low():
+    on_input = bench.bandwidths("reduce_scatter", 4, 2**24, 0.01)["busbw"]
+    on_output = bench.bandwidths("reduce_scatter", 4, 2**24 // 4, 0.01)["busbw"]
+    assert on_input / on_output == pytest.approx(4)
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_alpha_beta_fit_recovers_the_parameters_of_synthetic_data(op):
+    alpha, beta, n = 250e-6, 3.5e9, 4
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n}[op]
+    records = [bench.bandwidths(op, n, size, alpha + size * factor / beta)
+               for size in (2**k for k in range(10, 27, 2))]
+    fitted_alpha, fitted_beta = bench.fit_alpha_beta(records)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_beta == pytest.approx(beta, rel=1e-6)
+    assert bench.model_seconds(fitted_alpha, fitted_beta, op, n, 2**20) == pytest.approx(
+        alpha + 2**20 * factor / beta)
+
+
+@pytest.mark.parametrize("op", bench.OPERATIONS)
+def test_benchmark_worker_times_every_operation(op):
+    out = run(bench.benchmark_worker, 2, args=(op, 4096, 1, 3), show_output=False)
+    assert out[0] == out[1]  # the MAX across ranks makes every rank report the same median
+    assert 0 < out[0] < 10
+
+
+def test_unknown_operation_is_an_error():
+    with pytest.raises(WorkerError, match="unknown operation 'allreduce'"):
+        run(bench.benchmark_worker, 2, args=("allreduce", 4096, 1, 1), show_output=False)
+
+
+def test_sweep_records_every_size_and_advances_the_progress():
+    progress = types.SimpleNamespace(value=0)
+    records = bench.sweep("all_gather", 2, [1024, 8192], warmup=1, iterations=2, progress=progress)
+    assert progress.value == 2
+    assert [r["size_bytes"] for r in records] == [1024, 8192]
+    for r in records:
+        assert r["busbw"] == pytest.approx(r["size_bytes"] / r["seconds"] * 0.5)
+
+
+def test_memory_copy_bandwidth_is_a_finite_rate():
+    bandwidth = bench.memory_copy_bandwidth(2**20, 3)
+    assert math.isfinite(bandwidth) and bandwidth > 0
+
+
+def test_published_sweeps_are_drawn_and_labelled_as_not_measured():
+    measured = {"here": [bench.bandwidths("all_reduce", 2, size, size / 1e9)
+                         for size in (2**20, 2**24)]}
+    axes = plots.plot_against_published(measured, published.PUBLISHED_SWEEPS).axes[0]
+    labels = [line.get_label() for line in axes.get_lines()]
+    assert labels[0] == "here (measured here)"
+    assert len(labels) == 1 + len(published.PUBLISHED_SWEEPS)
+    assert all(label.endswith("(published, not measured here)") for label in labels[1:])
+    for _, source, points in published.PUBLISHED_SWEEPS:
+        assert "github.com" in source
+        assert [size for size, _ in points] == sorted(size for size, _ in points)
+
+
+# Typical wrong answers to the exercises, and what the checker says.
+
+
+def algbw_not_busbw(op, world_size, size_bytes, seconds):
+    return size_bytes / seconds
+
+
+def reduce_scatter_on_output_size(op, world_size, size_bytes, seconds):
+    size = size_bytes / world_size if op == "reduce_scatter" else size_bytes
+    return bus_bandwidth(op, world_size, size, seconds)
+
+
+def alpha_and_beta_swapped(size1, seconds1, size2, seconds2):
+    beta = (size2 - size1) / (seconds2 - seconds1)
+    return beta, seconds1 - size1 / beta
+
+
+@pytest.mark.parametrize("name, mistake, says", [
+    ("bus_bandwidth", algbw_not_busbw, "For the input ('all_reduce', 4, 67108864, 0.05): expected"),
+    ("bus_bandwidth", reduce_scatter_on_output_size,
+     "For the input ('reduce_scatter', 8, 16777216, 0.01)"),
+    ("alpha_beta_from_two_points", alpha_and_beta_swapped, "expected 0.001, got"),
+])
+def test_checker_rejects_a_typical_mistake(name, mistake, says):
+    expect_rejection(name, mistake, says)
