@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab test notebooks benchmark clean
+.PHONY: setup lab test lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -18,14 +18,22 @@ $(INSTALLED): requirements.txt pyproject.toml
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
-# Unit tests, then every notebook re-executed and compared with its committed outputs (nbval).
-test: setup
+# The linter, then the unit tests, then every notebook re-executed and compared with its committed
+# outputs (nbval).
+test: setup lint
 	$(PY) -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg tests $(NOTEBOOKS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 # Re-execute every notebook in place: the committed outputs are nbval's reference.
 notebooks: setup
 	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 $(NOTEBOOKS)
+
+# Every lesson's key figure, for the README's gallery (the same bytes on every run).
+figures: setup
+	$(PY) -m helpers.drawing figures
 
 benchmark: setup
 	$(PY) benchmarks/launch.py

@@ -1,34 +1,56 @@
-"""Launch time of helpers.run against plain torch.multiprocessing.spawn, side by side in one run.
+"""Launch time of helpers.run and helpers.spawn against plain torch.multiprocessing.spawn, side by
+side in one run.
 
-    python benchmarks/launch.py [--spawn-repeats 3] [--many 200]
+    python benchmarks/launch.py [--world-sizes 2 4 8] [--many 200]
 
-Both launch the same worker: join a gloo process group of N ranks, return the rank. For each N it
-prints the first launch (for helpers.run this includes starting the forkserver, once per kernel),
-the median of later launches, and their ratio. Then `--many` launches of helpers.run at 4 ranks:
-median, slowest, and how many took over 0.5 s.
+1. For each N: the first launch of helpers.run (it starts the worker pool, once per kernel), the
+   median of later ones, and the same for mp.spawn. Both join a gloo group of N ranks and return.
+2. At 4 ranks, later launches of workers that lessons 06-10 run: one that imports torch's
+   parallelism modules (DDP, FSDP, tensor parallel, pipelining, distributed optimizers), measured
+   here and in a pool that preloads torch alone (a second process, --preload torch); and one that
+   starts its own group the way lecture code does (helpers.spawn: a TCP store, env://).
+3. `--many` launches of helpers.run at 4 ranks: median, slowest, how many took over 0.5 s.
 """
 
 import argparse
+import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import run
+from helpers import run, spawn
+from helpers.launcher import pool
 
 
 def join_and_return(rank, world_size):
     return rank
 
 
-def spawn_entry(rank, world_size, port):
-    """What a plain mp.spawn program does: env:// rendezvous on rank 0's TCP store, then leave."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def import_parallelism_modules(rank, world_size):
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.optim  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
+    return rank
+
+
+def start_own_group(rank, world_size):
+    """What lecture code does: env:// rendezvous on rank 0's TCP store, then leave."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     dist.destroy_process_group()
+
+
+def spawn_entry(rank, world_size, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    start_own_group(rank, world_size)
 
 
 def free_port():
@@ -37,41 +59,87 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def time_spawn(world_size):
+def seconds(launch):
     started = time.perf_counter()
-    mp.spawn(spawn_entry, args=(world_size, free_port()), nprocs=world_size)
+    launch()
     return time.perf_counter() - started
 
 
-def time_run(world_size):
-    started = time.perf_counter()
-    run(join_and_return, world_size, show_output=False)
-    return time.perf_counter() - started
+def time_mp_spawn(world_size):
+    return seconds(lambda: mp.spawn(spawn_entry, args=(world_size, free_port()), nprocs=world_size))
+
+
+def time_run(world_size, worker=join_and_return):
+    return seconds(lambda: run(worker, world_size, show_output=False))
+
+
+def time_helpers_spawn(world_size):
+    return seconds(lambda: spawn(start_own_group, args=(world_size,), nprocs=world_size,
+                                 show_output=False))
+
+
+def summary(times):
+    times = sorted(times)
+    return {"median": statistics.median(times), "slowest": times[-1],
+            "over_1s": sum(t > 1 for t in times)}
+
+
+def torch_only_pool(repeats):
+    """Later launches of the parallelism-importing worker from a pool that preloads torch alone,
+    measured in a separate process (a process has one pool)."""
+    completed = subprocess.run(
+        [sys.executable, __file__, "--preload", "torch", "--repeats", str(repeats)],
+        capture_output=True, text=True, check=True)
+    return json.loads(completed.stdout)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--spawn-repeats", type=int, default=3, help="later mp.spawn launches")
-    parser.add_argument("--run-repeats", type=int, default=20, help="later helpers.run launches")
+    parser.add_argument("--repeats", type=int, default=20, help="later launches of the others")
     parser.add_argument("--many", type=int, default=200)
+    parser.add_argument("--preload", choices=["torch"], help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.preload:
+        pool.FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle",
+                                   "helpers.launcher.rank"]
+        time_run(4)
+        print(json.dumps(summary([time_run(4, import_parallelism_modules)
+                                  for _ in range(options.repeats)])))
+        return
 
     print(f"{os.cpu_count()} cores; median of later launches, in seconds\n")
-    header = f"{'ranks':>5} | {'run first':>9} {'run later':>9} | {'spawn first':>11} {'spawn later':>11} | {'spawn/run':>9}"
-    print(header)
-    print("-" * len(header))
+    header = (f"{'ranks':>5} | {'run first':>9} {'run later':>9} | {'spawn first':>11} "
+              f"{'spawn later':>11} | {'spawn/run':>9}")
+    print(f"helpers.run against plain mp.spawn\n{header}\n{'-' * len(header)}")
     for world_size in options.world_sizes:
         run_first = time_run(world_size)
-        run_later = statistics.median(time_run(world_size) for _ in range(options.run_repeats))
-        spawn_first = time_spawn(world_size)
-        spawn_later = statistics.median(time_spawn(world_size) for _ in range(options.spawn_repeats))
+        run_later = statistics.median(time_run(world_size) for _ in range(options.repeats))
+        spawn_first = time_mp_spawn(world_size)
+        spawn_later = statistics.median(time_mp_spawn(world_size)
+                                        for _ in range(options.spawn_repeats))
         print(f"{world_size:>5} | {run_first:>9.3f} {run_later:>9.3f} | {spawn_first:>11.2f} "
               f"{spawn_later:>11.2f} | {spawn_later / run_later:>8.0f}x", flush=True)
 
+    cases = {
+        "run, joins and returns": summary(time_run(4) for _ in range(options.repeats)),
+        "run, imports the parallelism modules": summary(
+            time_run(4, import_parallelism_modules) for _ in range(options.repeats)),
+        "the same, pool preloads torch alone": torch_only_pool(options.repeats),
+        "helpers.spawn, worker starts its own group": summary(
+            time_helpers_spawn(4) for _ in range(options.repeats)),
+    }
+    print(f"\nLater launches at 4 ranks, {options.repeats} each")
+    print(f"{'':<45} {'median':>8} {'slowest':>8} {'over 1 s':>8}")
+    for label, numbers in cases.items():
+        print(f"{label:<45} {numbers['median']:>8.3f} {numbers['slowest']:>8.3f} "
+              f"{numbers['over_1s']:>8}")
+
     times = sorted(time_run(4) for _ in range(options.many))
-    print(f"\nhelpers.run, {options.many} launches at 4 ranks: median {statistics.median(times):.3f} s, "
-          f"slowest {times[-1]:.3f} s, over 0.5 s: {sum(t > 0.5 for t in times)}")
+    print(f"\nhelpers.run, {options.many} launches at 4 ranks: "
+          f"median {statistics.median(times):.3f} s, slowest {times[-1]:.3f} s, "
+          f"over 0.5 s: {sum(t > 0.5 for t in times)}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,25 @@
 """helpers: the package every notebook of the course calls.
 
-`run(worker, world_size)` starts the ranks and brings their results back (helpers.launch); each
-lesson's worker functions live in a module of their own (helpers.groups for lesson 01, ...).
+`run(worker, world_size)` starts the ranks and brings their results back; `spawn(fn, args,
+nprocs)` does the same for code that starts its own process group (helpers.launcher). Each lesson
+has a package named after its notebook: notebooks/03_collectives.ipynb uses helpers.collectives.
+The models and the single-process training every parallel lesson is checked against are in
+helpers.reference.
+
+Imported in a Jupyter kernel, this starts the worker pool in the background (it imports torch
+once, a few seconds), so that the first launch finds it ready.
 """
 
-from helpers.launch import RunResult, default_backend, get_device, run
-from helpers.report import WorkerError, WorkerTimeout
+from helpers.launcher import (
+    RunResult,
+    WorkerError,
+    WorkerTimeout,
+    default_backend,
+    get_device,
+    run,
+    spawn,
+    warm_up,
+)
 
-__all__ = ["RunResult", "WorkerError", "WorkerTimeout", "default_backend", "get_device", "run"]
+__all__ = ["RunResult", "WorkerError", "WorkerTimeout", "default_backend", "get_device", "run",
+           "spawn", "warm_up"]

@@ -67,7 +67,7 @@ def lab(tmp_path):
             except OSError:
                 if time.monotonic() > deadline or server.poll() is not None:
                     tail = (tmp_path / "jupyterlab.log").read_text()[-2000:]
-                    raise RuntimeError(f"JupyterLab did not start within 60 s:\n{tail}")
+                    raise RuntimeError(f"JupyterLab did not start within 60 s:\n{tail}") from None
                 time.sleep(0.5)
         yield base, token
     finally:
@@ -132,13 +132,16 @@ def _screenshot(page, name):
 def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
     page, (base, token) = page
     _run_all_cells(page, base, token, "01_processes_and_groups.ipynb", "[NOT YET] column_sum")
-    first_launch = _show(page.locator(".jp-CodeCell", has_text="time_threads_and_processes").first)
-    indicator = first_launch.locator(".widget-hprogress")  # the warm-up progress bar
+    # `import helpers` starts the worker pool in the background, with a progress bar
+    first_launch = _show(page.locator(".jp-CodeCell",
+                                      has_text="from helpers.processes_and_groups import").first)
+    indicator = first_launch.locator(".widget-hprogress")
     assert indicator.count() == 1 and indicator.locator(".progress-bar-success").count() == 1
     assert indicator.locator(".widget-label").inner_text() == "ready"
     assert "Warming up" in first_launch.inner_text()
     _screenshot(page, "01_warm_up")
-    grouped = _show(page.locator(".jp-OutputArea-output", has_text="[rank 0] I am rank 0 of 4").first)
+    grouped = _show(page.locator(".jp-OutputArea-output",
+                                 has_text="[rank 0] I am rank 0 of 4").first)
     text = grouped.inner_text()
     positions = [text.index(f"[rank {r}] I am rank {r} of 4") for r in range(4)]
     assert positions == sorted(positions), text  # all four ranks, in one output, in rank order

@@ -1,4 +1,5 @@
-"""Lesson 03 workers (helpers.collectives), each against a reference computed here."""
+"""Lesson 03 (helpers.collectives): workers, drawings, the explorer and exercises, each against a
+reference computed here."""
 
 import functools
 import operator
@@ -10,8 +11,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 import torch
+import torch.distributed as dist
+from checker import expect_rejection
 
-from helpers import collectives, run, widgets
+from helpers import run
+from helpers.collectives import widgets
+from helpers.collectives import workers as collectives
+from helpers.reference import seeded_randn
 
 
 def inputs(world_size):
@@ -66,7 +72,7 @@ def test_barrier_releases_nobody_before_the_last_rank_arrives():
 def test_reduce_ops_on_gloo():
     world_size = 3
     out = run(collectives.reduce_ops_worker, world_size, show_output=False)
-    rows = [[r + 1, 6, 12 - 3 * r] for r in range(world_size)]
+    rows = [collectives.reduce_op_input(r, torch.int64).tolist() for r in range(world_size)]
     columns = list(zip(*rows))
     combine = {
         "SUM": sum, "PRODUCT": lambda c: functools.reduce(operator.mul, c),
@@ -90,7 +96,7 @@ def test_reduce_ops_on_gloo():
 
 def test_scale_then_sum_equals_a_premultiplied_sum():
     out = run(collectives.scaled_sum_worker, 3, args=(2.5,), show_output=False)
-    expected = 2.5 * torch.tensor([[r + 1, 6, 12 - 3 * r] for r in range(3)], dtype=torch.float32).sum(0)
+    expected = 2.5 * sum(collectives.reduce_op_input(r, torch.float32) for r in range(3))
     for result in out:
         torch.testing.assert_close(result, expected)
 
@@ -98,9 +104,9 @@ def test_scale_then_sum_equals_a_premultiplied_sum():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_reduce_equals_reduce_scatter_then_all_gather(world_size):
     numel, seed = 1024, 7
-    out = run(collectives.two_step_all_reduce_worker, world_size, args=(numel, seed), show_output=False)
-    total = sum(torch.randn(numel, generator=torch.Generator().manual_seed(seed + r))
-                for r in range(world_size))
+    out = run(collectives.two_step_all_reduce_worker, world_size, args=(numel, seed),
+              show_output=False)
+    total = sum(seeded_randn(seed + r, numel) for r in range(world_size))
     for rank, result in enumerate(out):
         torch.testing.assert_close(result["direct"], total)
         torch.testing.assert_close(result["two_step"], total)
@@ -109,7 +115,7 @@ def test_all_reduce_equals_reduce_scatter_then_all_gather(world_size):
 
 @pytest.mark.parametrize("world_size, length", [(2, 8), (3, 10), (4, 4)])
 def test_sharded_softmax_and_l2_normalisation_equal_the_single_process_ones(world_size, length):
-    vector = torch.randn(length, generator=torch.Generator().manual_seed(length)) * 5
+    vector = seeded_randn(length, length) * 5
     softmax = run(collectives.softmax_worker, world_size, args=(vector,), show_output=False)
     normalised = run(collectives.l2_normalize_worker, world_size, args=(vector,), show_output=False)
     torch.testing.assert_close(torch.cat(softmax.results), torch.softmax(vector, 0))
@@ -118,7 +124,8 @@ def test_sharded_softmax_and_l2_normalisation_equal_the_single_process_ones(worl
 
 def test_strided_view_is_reduced_wrongly_unless_made_contiguous():
     world_size = 2
-    matrices = [torch.arange(8, dtype=torch.float32).reshape(2, 4) + 100 * r for r in range(world_size)]
+    matrices = [torch.arange(8, dtype=torch.float32).reshape(2, 4) + 100 * r
+                for r in range(world_size)]
     expected = [m.clone() for m in matrices]
     for m in expected:
         m[:, ::2] = sum(x[:, ::2] for x in matrices)
@@ -154,3 +161,35 @@ def test_explorer_offers_every_collective_and_draws_every_buffer():
     assert [len(ax.patches) for ax in axes] == [9, 9]
     labels = {text.get_text() for text in axes[1].texts}
     assert {"0", "10", "20", "rank 2"} <= labels
+
+
+# Typical wrong answers to the exercises, and what the checker says.
+
+
+def average_of_local_variances(rank, world_size, shard):
+    moments = torch.stack([shard.mean(), shard.var(unbiased=False)])
+    dist.all_reduce(moments)
+    return tuple((moments / world_size).tolist())
+
+
+def forgot_to_divide(rank, world_size, shard):
+    moments = torch.stack([shard.sum(), shard.square().sum()])
+    dist.all_reduce(moments)
+    return tuple(moments.tolist())
+
+
+def slots_not_zeroed(rank, world_size, mine):
+    everyone = torch.ones(world_size)
+    everyone[rank] = mine
+    dist.all_reduce(everyone)
+    return everyone
+
+
+@pytest.mark.parametrize("name, mistake, says", [
+    ("mean_and_variance", average_of_local_variances, "On 2 ranks, rank 0: expected"),
+    ("mean_and_variance", forgot_to_divide, "On 2 ranks, rank 0: expected"),
+    ("all_gather_from_all_reduce", slots_not_zeroed,
+     "On 2 ranks, rank 0: expected tensor([ 0., 10.]), got tensor([ 1., 11.])"),
+])
+def test_checker_rejects_a_typical_mistake(name, mistake, says):
+    expect_rejection(name, mistake, says)

@@ -10,8 +10,8 @@ matplotlib.use("Agg")
 import pytest
 import torch
 import torch.distributed as dist
-
 from checker import expect_rejection
+
 from helpers import run
 from helpers.how_all_reduce_works import workers as algorithms
 from helpers.reference import seeded_randn
@@ -48,15 +48,20 @@ def test_ring_trace_shows_partial_sums_spreading():
     everyone = sum(10.0**r for r in range(world_size))
     assert [len(trace) for trace in traces] == [1 + 2 * (world_size - 1)] * world_size
     for rank, trace in enumerate(traces):
-        torch.testing.assert_close(trace[0][3], torch.full((world_size,), 10.0**rank, dtype=torch.float64))
+        assert [step for step, _, _ in trace] == list(range(-1, 2 * (world_size - 1)))
+        assert [sent for _, sent, _ in trace[1:]] == [(rank - s) % world_size
+                                                     for s in range(2 * (world_size - 1))]
+        start = torch.full((world_size,), 10.0**rank, dtype=torch.float64)
+        torch.testing.assert_close(trace[0][2], start)
         # after the reduce-scatter phase rank r owns the full sum of chunk r + 1
-        assert trace[world_size - 1][3][(rank + 1) % world_size] == everyone
-        torch.testing.assert_close(trace[-1][3], torch.full((world_size,), everyone, dtype=torch.float64))
+        assert trace[world_size - 1][2][(rank + 1) % world_size] == everyone
+        done = torch.full((world_size,), everyone, dtype=torch.float64)
+        torch.testing.assert_close(trace[-1][2], done)
         # after reduce-scatter step s, the chunk received contains ranks r - s - 1 ... r
         for step in range(world_size - 1):
             chunk = (rank - step - 1) % world_size
             expected = sum(10.0 ** ((rank - k) % world_size) for k in range(step + 2))
-            assert trace[1 + step][3][chunk] == expected
+            assert trace[1 + step][2][chunk] == expected
 
 
 def tree_bytes(world_size, order, size):
@@ -72,7 +77,8 @@ def tree_bytes(world_size, order, size):
 @pytest.mark.parametrize("double", [False, True])
 def test_tree_all_reduce_equals_the_sum_and_counts_its_bytes(world_size, double):
     numel = 64
-    out = run(algorithms.tree_all_reduce_worker, world_size, args=(numel, 5, double), show_output=False)
+    out = run(algorithms.tree_all_reduce_worker, world_size, args=(numel, 5, double),
+              show_output=False)
     total = single_process_sum(numel, 5, world_size)
     for result in out:
         torch.testing.assert_close(result["result"], total)
@@ -89,20 +95,26 @@ def test_tree_all_reduce_equals_the_sum_and_counts_its_bytes(world_size, double)
 
 def test_double_tree_is_more_even_than_one_tree():
     world_size = 6
-    single = run(algorithms.tree_all_reduce_worker, world_size, args=(64, 0, False), show_output=False)
-    double = run(algorithms.tree_all_reduce_worker, world_size, args=(64, 0, True), show_output=False)
-    assert max(r["bytes_sent"] for r in double) < max(r["bytes_sent"] for r in single)
+    busiest = {}
+    for double in (False, True):
+        out = run(algorithms.tree_all_reduce_worker, world_size, args=(64, 0, double),
+                  show_output=False)
+        busiest[double] = max(result["bytes_sent"] for result in out)
+    assert busiest[True] < busiest[False]
 
 
 def test_cost_models_follow_their_formulas():
     alpha, beta = 5e-6, 50e9
-    assert algorithms.ring_seconds(8, 1e6, alpha, beta) == pytest.approx(14 * (alpha + 1e6 / 8 / beta))
+    ring = algorithms.ring_seconds(8, 1e6, alpha, beta)
+    assert ring == pytest.approx(14 * (alpha + 1e6 / 8 / beta))
     assert algorithms.tree_seconds(8, 1e6, alpha, beta) == pytest.approx(6 * alpha + 2e6 / beta)
     for topology in algorithms.TOPOLOGIES:
-        assert algorithms.all_reduce_on(topology, 64, 1e8, 5e10) == pytest.approx(2 * 63 / 64 * 1e8 / 5e10)
+        seconds = algorithms.all_reduce_on(topology, 64, 1e8, 5e10)
+        assert seconds == pytest.approx(2 * 63 / 64 * 1e8 / 5e10)
     hops = {"switch": 1, "2-D torus": math.sqrt(64) / 2, "ring": 64 / 4}
     for topology, h in hops.items():
-        assert algorithms.all_to_all_on(topology, 64, 1e8, 5e10) == pytest.approx(63 / 64 * 1e8 * h / 5e10)
+        seconds = algorithms.all_to_all_on(topology, 64, 1e8, 5e10)
+        assert seconds == pytest.approx(63 / 64 * 1e8 * h / 5e10)
     with pytest.raises(ValueError, match="unknown topology"):
         algorithms.all_reduce_on("hypercube", 8, 1e6, 1e9)
 
@@ -114,7 +126,8 @@ def test_stepper_and_topology_widgets_build():
     stepper = widgets.ring_stepper(traces)
     assert stepper.children[0].max == 4
     explorer = widgets.topology_explorer(16, 10.0, 100.0)
-    assert [child.description for child in explorer.children[:3]] == ["devices", "MB each", "GB/s each"]
+    descriptions = [child.description for child in explorer.children[:3]]
+    assert descriptions == ["devices", "MB each", "GB/s each"]
 
 
 # Typical wrong answers to the exercises, and what the checker says.

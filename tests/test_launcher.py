@@ -1,9 +1,11 @@
-"""helpers.run: results, output, errors, timeouts, clean-up. Every expected value is computed here."""
+"""helpers.run: results, output, errors, timeouts, clean-up. Every expected value is computed
+here."""
 
 import multiprocessing.resource_tracker
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,15 +16,23 @@ import time
 import psutil
 import pytest
 import torch
+from workers import (
+    abort_on_rank_one,
+    all_reduce_worker,
+    big_result_worker,
+    device_worker,
+    environment_worker,
+    grad_worker,
+    kwargs_worker,
+    printing_worker,
+    raise_on_rank,
+    send_first_worker,
+    spin_worker,
+    unpicklable_result_worker,
+)
 
 from helpers import WorkerError, WorkerTimeout, run
 from helpers.launcher.pool import forkserver_pid
-from workers import (
-    abort_on_rank_one, all_reduce_worker, big_result_worker, device_worker, environment_worker,
-    grad_worker,
-    kwargs_worker, printing_worker, raise_on_rank, send_first_worker, spin_worker,
-    unpicklable_result_worker,
-)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,7 +136,8 @@ def test_send_send_deadlock_ends_at_the_timeout_naming_the_call():
     line = send_first_worker.__code__.co_firstlineno + 2
     for rank in range(2):
         where = caught.value.where[rank]
-        assert where.startswith("blocked in torch.distributed.send(), called from send_first_worker")
+        assert where.startswith(
+            "blocked in torch.distributed.send(), called from send_first_worker")
         assert f'workers.py", line {line}: dist.send(tensor, dst=1 - rank)' in where
 
 
@@ -318,14 +329,64 @@ def test_root_cause_skips_errors_that_echo_a_peer_failure():
     later = ExceptionReport("KeyError", "'x'", [], 3.0)
     error = WorkerError.from_reports({0: echo, 1: cause, 2: later}, {}, [3], ["", "", "", ""], 4)
     assert (error.rank, error.type_name) == (1, "ValueError")
-    assert error.others == {0: "RuntimeError: Connection closed by peer [127.0.0.1]", 2: "KeyError: 'x'"}
-    assert str(error).endswith("ranks 0, 2 stopped or failed after rank 1 "
-                               "(what they reported is in this error's .others).\nrank 3 had finished.")
+    assert error.others == {0: "RuntimeError: Connection closed by peer [127.0.0.1]",
+                            2: "KeyError: 'x'"}
+    assert str(error).endswith("ranks 0, 2 stopped or failed after rank 1 (what they reported is "
+                               "in this error's .others).\nrank 3 had finished.")
 
 
 def test_simultaneous_root_causes_name_the_lowest_rank():
     from helpers.launcher.rank import ExceptionReport
 
-    errors = {rank: ExceptionReport("RuntimeError", f"mismatch seen by {rank}", [], 5.0 - rank * 1e-3)
+    errors = {rank: ExceptionReport("RuntimeError", f"mismatch seen by {rank}", [],
+                                    5.0 - rank * 1e-3)
               for rank in range(3)}
     assert WorkerError.from_reports(errors, {}, [], ["", "", ""], 3).rank == 0
+
+
+def test_a_worker_without_source_file_is_still_located_on_timeout():
+    code = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from helpers import WorkerTimeout, run
+        def both_send_first(rank, world_size):
+            dist.send(torch.zeros(1), dst=1 - rank)
+        try:
+            run(both_send_first, 2, timeout=2, show_output=False)
+        except WorkerTimeout as timeout:
+            print(timeout.where[0])
+        """
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=120, cwd=REPO)
+    assert completed.stdout.strip() == (
+        'blocked in torch.distributed.send(), called from both_send_first at "<string>", line 5 '
+        "(its source is not available)"), completed.stderr
+
+
+def test_run_under_torchrun_warns_about_the_arguments_it_ignores(tmp_path):
+    code = textwrap.dedent(
+        """
+        import warnings
+        from helpers import run
+        def rank_and_size(rank, world_size):
+            return rank, world_size
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = run(rank_and_size, world_size=4, show_output=False, env={"A": "1"})
+        print(out.results)
+        print(caught[0].message)
+        """
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torchrun_environment = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=120, cwd=REPO, env={**os.environ, **torchrun_environment})
+    results, warning = completed.stdout.strip().splitlines()
+    assert results == "[(0, 1)]", completed.stderr
+    assert warning == ("run() under torchrun ignores world_size=4 (torchrun started 1 processes); "
+                       "show_output=False (each process prints straight to torchrun's output); "
+                       "env (set variables before torchrun starts, e.g. in the shell)")

@@ -9,13 +9,12 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest
-
 from checker import expect_rejection
+
 from helpers import WorkerError, run
 from helpers.measuring_communication import plots, published
 from helpers.measuring_communication import workers as bench
 from helpers.measuring_communication.solutions import bus_bandwidth
-
 
 # nccl-tests' doc/PERFORMANCE.md: all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all
 # (n-1)/n; broadcast, reduce 1. Their values at n = 4 and n = 8:

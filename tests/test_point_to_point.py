@@ -8,8 +8,8 @@ matplotlib.use("Agg")
 import pytest
 import torch
 import torch.distributed as dist
-
 from checker import expect_rejection
+
 from helpers import WorkerError, WorkerTimeout, run
 from helpers.point_to_point import workers as p2p
 
@@ -61,7 +61,8 @@ def test_both_ranks_sending_first_deadlocks_in_send():
         run(p2p.send_first_worker, 2, timeout=2, show_output=False)
     for rank in range(2):
         assert caught.value.where[rank].startswith(
-            "blocked in torch.distributed.send(), called from send_first_worker at \"helpers/point_to_point/workers.py\""
+            "blocked in torch.distributed.send(), called from send_first_worker at "
+            '"helpers/point_to_point/workers.py"'
         )
 
 

@@ -8,11 +8,10 @@ matplotlib.use("Agg")
 import pytest
 import torch
 import torch.distributed as dist
-
 from checker import expect_rejection
+
 from helpers import WorkerError, run
-from helpers.processes_and_groups import plots
-from helpers.processes_and_groups import workers
+from helpers.processes_and_groups import plots, workers
 
 
 def test_busy_worker_computes_the_loop_on_every_rank():

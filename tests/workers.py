@@ -80,3 +80,53 @@ def spin_worker(rank, world_size):
 
 def environment_worker(rank, world_size, name):
     return os.environ.get(name)
+
+
+# Workers that start their own process group, in the style of PyTorch's tutorials (helpers.spawn).
+
+def setup(rank, world_size, port=None):
+    os.environ["MASTER_ADDR"] = "localhost"
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def cleanup():
+    dist.destroy_process_group()
+
+
+def tutorial_style_worker(rank, world_size, port=None):
+    """setup(), one DDP training step of a linear model, cleanup(): returns the updated weight."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    setup(rank, world_size, port)
+    model = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    ddp_model = DistributedDataParallel(model)
+    inputs = torch.full((2, 3), float(rank + 1))
+    ddp_model(inputs).sum().backward()  # gradient: the column sums of inputs, averaged over ranks
+    with torch.no_grad():
+        model.weight -= 0.1 * model.weight.grad
+    cleanup()
+    return model.weight.detach()
+
+
+def env_rendezvous_worker(rank, world_size):
+    """init_process_group with env:// and nothing else: the launcher's variables must suffice."""
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {"total": total.item(), "environ": {name: os.environ[name] for name in names}}
+
+
+def leave_group_initialised(rank, world_size):
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    return tensor.item()  # no destroy_process_group: the launcher does it
+
+
+def too_few_processes(rank, world_size_claimed):
+    """Claims a bigger world than was started: the rendezvous waits for ranks that never come."""
+    setup(rank, world_size_claimed)

@@ -97,7 +97,10 @@ def reduce_ops_worker(rank, world_size):
         for dtype in (torch.float32, torch.int64):
             tensor = reduce_op_input(rank, dtype)
             try:
-                op = dist._make_nccl_premul_sum(2.0) if name == "PREMUL_SUM" else getattr(dist.ReduceOp, name)
+                if name == "PREMUL_SUM":
+                    op = dist._make_nccl_premul_sum(2.0)
+                else:
+                    op = getattr(dist.ReduceOp, name)
                 dist.all_reduce(tensor, op=op)
                 results[(name, str(dtype).removeprefix("torch."))] = tensor.tolist()
             except RuntimeError as error:

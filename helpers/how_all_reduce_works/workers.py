@@ -20,36 +20,26 @@ from helpers.reference import seeded_randn
 
 
 def ring_all_reduce(tensor, trace=None) -> int:
-    """Sum `tensor` across all ranks, in place, with a ring. Returns the bytes this rank sent.
-
-    The tensor is cut into n chunks (`tensor_split`: n chunks whatever the size, differing by at
-    most one element). The ring runs 2(n-1) steps; at every step each rank sends one chunk to its
-    right and receives one from its left, so a rank sends 2(n-1)/n of the tensor in all.
-    Reduce-scatter phase (steps 0 .. n-2): rank r sends chunk r - step and adds the chunk
-    r - step - 1 that arrives; afterwards rank r holds the full sum of chunk r + 1. All-gather
-    phase (n-1 more steps): the finished chunks travel once around the ring, copied, not added.
-    If `trace` is a list, (phase, step within the phase, chunk sent, copy of the tensor) is
-    appended after each step.
-    """
+    """Sum `tensor` across all ranks, in place, with a ring; return the bytes this rank sent.
+    Steps 0 .. n-2 reduce-scatter (add what arrives), steps n-1 .. 2n-3 all-gather (copy it).
+    If `trace` is a list, (step, chunk sent, copy of the tensor) is appended after each step."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    chunks = tensor.tensor_split(n)  # views into `tensor`: writing a chunk writes the tensor
+    chunks = tensor.tensor_split(n)  # n views into `tensor`, whatever its size
     right, left = (rank + 1) % n, (rank - 1) % n
     bytes_sent = 0
     for step in range(2 * (n - 1)):
         send, receive = (rank - step) % n, (rank - step - 1) % n
         incoming = torch.empty_like(chunks[receive])
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
-                                           dist.P2POp(dist.irecv, incoming, left)])
-        for request in requests:
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
+                                               dist.P2POp(dist.irecv, incoming, left)]):
             request.wait()
         if step < n - 1:
-            chunks[receive].add_(incoming)  # reduce-scatter phase: add
+            chunks[receive].add_(incoming)  # reduce-scatter: add
         else:
-            chunks[receive].copy_(incoming)  # all-gather phase: copy
+            chunks[receive].copy_(incoming)  # all-gather: copy
         bytes_sent += chunks[send].numel() * tensor.element_size()
         if trace is not None:
-            phase, phase_step = ("reduce-scatter", step) if step < n - 1 else ("all-gather", step - n + 1)
-            trace.append((phase, phase_step, send, tensor.clone()))
+            trace.append((step, send, tensor.clone()))
     return bytes_sent
 
 
@@ -70,7 +60,7 @@ def ring_trace_worker(rank, world_size):
     """The ring on n chunks of one number each, rank r starting with 10**r everywhere: a sum's
     digits show which ranks it contains (1111 = all four). Returns the start and every step."""
     data = torch.full((world_size,), 10.0**rank, dtype=torch.float64)
-    trace = [("start", -1, None, data.clone())]
+    trace = [(-1, None, data.clone())]  # step -1: the start
     ring_all_reduce(data, trace)
     return trace
 

@@ -21,6 +21,7 @@ in this process instead: see `helpers.launcher.torchrun`. Design notes: README.m
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -57,7 +58,8 @@ JOIN_RETRIES = 2
 STACK_DUMP_WAIT_S = 1.0
 @dataclass
 class RunResult:
-    """What `run` brings back: `results[r]` is rank r's return value, `stdout[r]` what it printed."""
+    """What `run` brings back: `results[r]` is rank r's return value, `stdout[r]` what it
+    printed."""
 
     results: list
     stdout: list
@@ -87,7 +89,8 @@ def default_backend(world_size: int) -> str:
 
 
 def get_device(rank: int | None = None) -> torch.device:
-    """The device rank `rank` should put its tensors on: `cuda:<local rank>` under NCCL, else CPU."""
+    """The device rank `rank` should put its tensors on: `cuda:<local rank>` under NCCL, else
+    the CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else dist.get_rank()))
         return torch.device("cuda", local % torch.cuda.device_count())
@@ -145,10 +148,11 @@ def spawn(
     that starts its own process group (a `setup()` that sets MASTER_ADDR/MASTER_PORT and calls
     `dist.init_process_group`): no group is made for it. Each process gets MASTER_ADDR=127.0.0.1,
     MASTER_PORT (a free port; a worker may set its own), RANK, WORLD_SIZE, LOCAL_RANK and
-    LOCAL_WORLD_SIZE, so `init_process_group("gloo")` with `env://` works too. A group the function
-    leaves initialised is destroyed. Everything else is `run`'s: a function defined in a cell, output
-    grouped by rank, `WorkerError`, `WorkerTimeout`, no process left behind; and the return values
-    come back (`mp.spawn` returns None). `daemon` changes nothing: no process outlives the call.
+    LOCAL_WORLD_SIZE, so `init_process_group("gloo")` with `env://` works too. A group the
+    function leaves initialised is destroyed. Everything else is `run`'s: a function defined in a
+    cell, output grouped by rank, `WorkerError`, `WorkerTimeout`, no process left behind; and the
+    return values come back (`mp.spawn` returns None). `daemon` changes nothing: no process
+    outlives the call.
     """
     if not join:
         raise ValueError("helpers.spawn always waits for the processes (join=True): it brings "
@@ -166,7 +170,9 @@ def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_
     payload = _pickle_payload(fn, args, kwargs)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
 
-    started = time.monotonic()
+    if start_method == "forkserver":
+        warm_up()  # at once if the pool is warm; else start it (or wait for the one starting)
+    started = time.monotonic()  # the timeout counts from here: the pool's start is not the worker's
     out_dir = tempfile.mkdtemp(prefix="helpers-run-")
     job = _rank.Job(
         payload=payload, world_size=world_size, backend=backend, out_dir=out_dir,
@@ -282,8 +288,6 @@ def _free_port() -> int:
 
 
 def _start(job: _rank.Job, start_method: str):
-    if start_method == "forkserver":
-        warm_up()  # at once if the pool is warm; else start it, or wait for the one starting
     receivers, senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(job.world_size)))
     try:
         context = torch.multiprocessing.start_processes(
@@ -320,7 +324,8 @@ def _collect(processes, connections, deadline):
         limit = deadline if first_error is None else min(deadline, first_error + ERROR_GRACE_S)
         if now >= limit:
             break
-        waitables = list(pending) + [s for s, r in sentinel_rank.items() if connections[r] in pending]
+        waitables = list(pending) + [sentinel for sentinel, r in sentinel_rank.items()
+                                     if connections[r] in pending]
         for ready in multiprocessing.connection.wait(waitables, timeout=limit - now):
             rank = pending.get(ready, sentinel_rank.get(ready))
             connection = connections[rank]
@@ -346,23 +351,31 @@ def _collect(processes, connections, deadline):
 def _dump_stacks(processes, ranks, out_dir) -> dict:
     """Ask each unfinished rank for its Python stack (faulthandler) and return rank -> dump text."""
     for rank in ranks:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it has just ended
             os.kill(processes[rank].pid, _rank.STACK_DUMP_SIGNAL)
-        except ProcessLookupError:
-            pass
     sizes, settled, give_up = {}, set(), time.monotonic() + STACK_DUMP_WAIT_S
     while len(settled) < len(ranks) and time.monotonic() < give_up:
         time.sleep(0.05)
         for rank in ranks:  # a dump is complete once it is non-empty and stopped growing
-            size = os.path.getsize(_rank.stack_path(out_dir, rank))
+            size = _size(_rank.stack_path(out_dir, rank))
             if size and size == sizes.get(rank):
                 settled.add(rank)
             sizes[rank] = size
     dumps = {}
-    for rank in ranks:
-        with open(_rank.stack_path(out_dir, rank)) as stack_file:
-            dumps[rank] = stack_file.read()
+    for rank in ranks:  # a rank that had not started yet has no file: an empty dump
+        if _size(_rank.stack_path(out_dir, rank)):
+            with open(_rank.stack_path(out_dir, rank)) as stack_file:
+                dumps[rank] = stack_file.read()
+        else:
+            dumps[rank] = ""
     return dumps
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
 
 
 def _unpack(messages, died, outputs):

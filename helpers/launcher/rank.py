@@ -1,7 +1,8 @@
 """What runs inside each rank's process: capture output, join the group, call the worker, report.
 
-The parent side is `helpers.launcher.launch`; this module is preloaded by the forkserver so a launch costs a
-fork, not an `import torch`. Every rank sends exactly one message back on its pipe, then leaves with `os._exit`:
+The parent side is `helpers.launcher.launch`; this module is preloaded by the forkserver so a launch
+costs a fork, not an `import torch`. Every rank sends exactly one message back on its pipe, then
+leaves with `os._exit`:
 ``("ok", result_bytes)``, ``("error", ExceptionReport)`` when the worker raised, or
 ``("init_error", ExceptionReport)`` when joining the process group failed (before the worker ran).
 """
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+FINISH_WAIT_S = 1.0
 
 
 @dataclass
@@ -62,6 +64,10 @@ def store_path(out_dir: str, attempt: int) -> str:
     return os.path.join(out_dir, f"store{attempt}")
 
 
+def finish_path(out_dir: str, attempt: int) -> str:
+    return os.path.join(out_dir, f"finish{attempt}")
+
+
 def stack_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.stack")
 
@@ -93,13 +99,30 @@ def rank_main(rank: int, job: Job, result_conn) -> None:
             result = fn(rank, job.world_size, *args, **kwargs)
         else:
             result = fn(rank, *args, **kwargs)
-        if dist.is_initialized():  # the worker may have left the group itself, or made its own
-            dist.destroy_process_group()
         message = ("ok", _dumps_result(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        # A worker that joins its own group can hit gloo's failed join too: the launch is made again.
-        message = ("init_error" if _failed_to_join(exc) else "error", _report(exc))
-    _send_and_exit(result_conn, message)
+        # A worker that joins its own group can meet gloo's failed join too: launch again.
+        kind = "init_error" if _failed_to_join(exc) else "error"
+        _send_and_exit(result_conn, (kind, _report(exc)))
+    _send(result_conn, message)
+    _wait_at_the_finish(rank, job)
+    if dist.is_initialized():  # the worker may have left the group itself, or made its own
+        dist.destroy_process_group()
+    _exit()
+
+
+def _wait_at_the_finish(rank: int, job: Job) -> None:
+    """Wait, at most FINISH_WAIT_S, until every rank has returned from the worker.
+
+    A rank that leaves at once can cut a peer's connection while the peer still completes its side
+    of a gloo handshake (`new_group` in the last lines of a worker). But a peer that waits forever
+    for this rank (a recv with no send) must learn soon that it is gone: so the wait is short.
+    """
+    finish = dist.FileStore(finish_path(job.out_dir, job.attempt), job.world_size)
+    finish.add("finished", 1)
+    give_up = time.monotonic() + FINISH_WAIT_S
+    while finish.add("finished", 0) < job.world_size and time.monotonic() < give_up:
+        time.sleep(0.002)
 
 
 def _failed_to_join(exc: BaseException) -> bool:
@@ -132,19 +155,30 @@ def _keep_destroyed_groups_alive() -> None:
     dist.destroy_process_group = dist.distributed_c10d.destroy_process_group = destroy_process_group
 
 
-def _send_and_exit(result_conn, message) -> None:
+def _send(result_conn, message) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
+    result_conn.send_bytes(pickle.dumps(message))
+
+
+def _exit() -> None:
+    # Skip interpreter shutdown: torch's C++ destructors can abort after a DDP backward
+    # ("terminate called without an active exception") once the results are already out.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _send_and_exit(result_conn, message) -> None:
     try:
-        result_conn.send_bytes(pickle.dumps(message))
+        _send(result_conn, message)
     finally:
-        # Skip interpreter shutdown: torch's C++ destructors can abort after a DDP backward
-        # ("terminate called without an active exception") once the results are already out.
-        os._exit(0)
+        _exit()
 
 
 def _capture_output(out_dir: str, rank: int) -> None:
-    """Send fd 1 and 2 (Python prints and C++ logs alike) to this rank's file; arm the stack dump."""
+    """Send fd 1 and 2 (Python prints and C++ logs alike) to this rank's file; arm the stack
+    dump."""
     log_fd = os.open(output_path(out_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
@@ -181,7 +215,8 @@ def _init_process_group(rank: int, job: Job) -> None:
 
 
 class _ByValuePickler(cloudpickle.Pickler):
-    """cloudpickle, plus: tensors travel detached and on the CPU (never a CUDA or autograd handle)."""
+    """cloudpickle, plus: tensors travel detached and on the CPU (never a CUDA or autograd
+    handle)."""
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):

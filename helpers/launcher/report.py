@@ -269,7 +269,8 @@ def format_results(results: list, backend: str) -> str:
 def results_html(results: list, backend: str) -> str:
     rows = "".join(
         f"<tr><td style='text-align:right'>rank {rank}</td>"
-        f"<td style='text-align:left'><pre style='margin:0'>{html.escape(_short_repr(value))}</pre></td></tr>"
+        f"<td style='text-align:left'><pre style='margin:0'>"
+        f"{html.escape(_short_repr(value))}</pre></td></tr>"
         for rank, value in enumerate(results)
     )
     return (f"<div><b>RunResult</b>: {len(results)} ranks, {html.escape(backend)}"

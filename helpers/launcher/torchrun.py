@@ -54,7 +54,8 @@ def run_in_place(fn, args=(), kwargs=None, backend=None, timeout=1800) -> RunRes
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("target", help="module:function, e.g. helpers.processes_and_groups:halves_worker")
+    parser.add_argument(
+        "target", help="module:function, e.g. helpers.processes_and_groups.workers:halves_worker")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     options = parser.parse_args(argv)
     module_name, _, function_name = options.target.partition(":")

@@ -1,0 +1,28 @@
+"""Lesson 03's controls: pick a collective and a world size, and see it run."""
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+
+from helpers.collectives import plots
+from helpers.collectives.workers import COLLECTIVES, REDUCING, RULES, collective_worker
+from helpers.launcher import run
+
+
+def show_collective(collective: str, world_size: int):
+    """Run one collective on `world_size` ranks and draw every rank's buffers before and after."""
+    out = run(collective_worker, world_size, args=(collective,), show_output=False)
+    plots.plot_collective(collective, out.results, RULES[collective],
+                          reduced=collective in REDUCING)
+    plt.show()
+
+
+def collective_explorer(collective: str = "all_reduce", world_size: int = 4,
+                        max_world_size: int = 6):
+    """A dropdown of collectives and a world-size slider; every change runs it again (~0.1 s)."""
+    return widgets.interactive(
+        show_collective,
+        collective=widgets.Dropdown(options=COLLECTIVES, value=collective,
+                                    description="collective"),
+        world_size=widgets.IntSlider(value=world_size, min=2, max=max_world_size,
+                                     description="world size", continuous_update=False),
+    )

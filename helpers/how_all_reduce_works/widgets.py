@@ -1,0 +1,33 @@
+"""Lesson 05's controls: step through the ring, and vary the topology model."""
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+
+from helpers.how_all_reduce_works import plots
+
+
+def ring_stepper(traces: list) -> widgets.interactive:
+    """A slider over the recorded steps of the ring all-reduce (`workers.ring_trace_worker`)."""
+    def show(step):
+        fig, ax = plt.subplots(figsize=(4.5, 2.6))
+        plots.draw_ring_step(ax, traces, step)
+        plt.show()
+
+    return widgets.interactive(show, step=widgets.IntSlider(
+        value=0, min=0, max=len(traces[0]) - 1, description="step"))
+
+
+def topology_explorer(n: int = 64, megabytes: float = 100.0, device_gb_s: float = 50.0):
+    """Sliders for the device count, the data size and each device's bandwidth (topology model)."""
+    def show(devices, megabytes, device_gb_s):
+        plots.plot_topologies(devices, megabytes * 1e6, device_gb_s * 1e9)
+        plt.show()
+
+    return widgets.interactive(
+        show,
+        devices=widgets.IntSlider(value=n, min=4, max=1024, step=4, description="devices"),
+        megabytes=widgets.FloatLogSlider(value=megabytes, base=10, min=0, max=4,
+                                         description="MB each"),
+        device_gb_s=widgets.FloatSlider(value=device_gb_s, min=10, max=900, step=10,
+                                        description="GB/s each"),
+    )

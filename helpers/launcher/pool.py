@@ -1,0 +1,76 @@
+"""The worker pool: a forkserver that imported torch once, from which every rank is forked.
+
+This module imports only the standard library, so that the pool can start before the kernel
+itself imports torch: `import helpers` in a Jupyter kernel starts it in the background, and the
+two imports run side by side on two cores.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import sys
+import threading
+
+# Imported once by the forkserver, so that no rank pays for them: torch, and the parallelism
+# modules of lessons 06-10 (together about 1.5 s more on one core; a rank importing them after the
+# fork paid it on every launch).
+FORKSERVER_PRELOAD = [
+    "torch", "torch.distributed", "cloudpickle", "helpers.launcher.rank",
+    "torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining", "torch.distributed.optim",
+]
+
+
+_warm_up_lock = threading.Lock()
+_warm_up_thread = None
+
+
+def warm_up(in_background: bool = False, only_in_a_kernel: bool = False) -> None:
+    """Start the worker pool now: the forkserver imports torch and FORKSERVER_PRELOAD once (a few
+    seconds), and one process is forked from it, so the first launch finds it ready.
+
+    `import helpers` in a Jupyter kernel calls this in the background and shows a progress bar
+    while it runs; `run` and `spawn` wait for it if it has not finished."""
+    global _warm_up_thread
+    if only_in_a_kernel and not _in_a_kernel():
+        return
+    with _warm_up_lock:
+        if _warm_up_thread is None:
+            indicator = None
+            if _in_a_kernel() and forkserver_pid() is None:
+                from helpers.notebook import WarmUpIndicator
+
+                indicator = WarmUpIndicator()
+            _warm_up_thread = threading.Thread(target=_start_forkserver, args=(indicator,),
+                                               name="helpers-warm-up", daemon=True)
+            _warm_up_thread.start()
+    if not in_background:
+        _warm_up_thread.join()
+
+
+def _start_forkserver(indicator) -> None:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    try:
+        first = context.Process(target=_exit_at_once)  # forked once the preloads are imported
+        first.start()
+        first.join()
+    finally:
+        if indicator is not None:
+            indicator.done()
+
+
+def _exit_at_once():
+    pass
+
+
+def _in_a_kernel() -> bool:
+    """Whether this process is a Jupyter kernel (not a script, a test run, or a rank)."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return "ipykernel" in sys.modules and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def forkserver_pid():
+    """The pid of this interpreter's forkserver, or None before it is started."""
+    return multiprocessing.forkserver._forkserver._forkserver_pid

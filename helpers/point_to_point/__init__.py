@@ -1,0 +1,7 @@
+"""Lesson 02, point to point: notebooks/02_point_to_point.ipynb.
+
+workers: run in the ranks (torch only). plots: drawn in the kernel. exercises: the checked
+exercises; solutions: their reference solutions.
+"""
+
+NOTEBOOK = "02_point_to_point.ipynb"

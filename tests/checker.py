@@ -1,0 +1,29 @@
+"""What every lesson's test file uses to show that an exercise's checker rejects a typical mistake.
+
+The mistakes are written in the lesson's test file. They run inside the ranks, so they travel by
+value: a rank then never imports the test module (pytest, matplotlib) to find them.
+"""
+
+import sys
+
+import cloudpickle
+
+from helpers import exercises
+
+# Hangs are expected among the mistakes: a short timeout keeps the suite quick.
+TIMEOUT = 3
+
+
+def expect_rejection(name, mistake, says):
+    """`check(name, mistake)` fails, and its message contains `says`."""
+    cloudpickle.register_pickle_by_value(sys.modules[mistake.__module__])
+    result = exercises.check(name, mistake, timeout=TIMEOUT)
+    text = repr(result)
+    assert not result.passed, text
+    assert text.startswith(f"[NOT YET] {name}\n"), text
+    assert says in text, text
+
+
+def not_started(*inputs):
+    """A learner's stub, as the notebooks ship it."""
+    raise NotImplementedError
