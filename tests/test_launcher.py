@@ -33,6 +33,7 @@ from workers import (
 
 from helpers import WorkerError, WorkerTimeout, run
 from helpers.launcher.pool import forkserver_pid
+from helpers.reference import seeded_randn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +58,7 @@ def test_kwargs_and_plain_data_come_back():
 def test_results_of_several_megabytes_arrive_intact():
     out = run(big_result_worker, 4, args=(8,), show_output=False)
     for rank in range(4):
-        expected = torch.randn(8 * 2**20 // 4, generator=torch.Generator().manual_seed(rank))
+        expected = seeded_randn(rank, 8 * 2**20 // 4)
         torch.testing.assert_close(out[rank], expected, rtol=0, atol=0)
 
 

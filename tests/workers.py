@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import get_device
+from helpers.reference import seeded_randn
 
 
 def all_reduce_worker(rank, world_size, base):
@@ -25,8 +26,7 @@ def kwargs_worker(rank, world_size, *, scale, offset=0):
 
 
 def big_result_worker(rank, world_size, megabytes):
-    generator = torch.Generator().manual_seed(rank)
-    return torch.randn(megabytes * 2**20 // 4, generator=generator)
+    return seeded_randn(rank, megabytes * 2**20 // 4)
 
 
 def grad_worker(rank, world_size):

@@ -13,6 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from helpers.reference import seeded_randn
+
 RULES = {
     "broadcast": "rank 0's tensor is copied to every rank",
     "scatter": "rank 0's tensor is cut into n pieces; rank r gets piece r",
@@ -123,7 +125,7 @@ def two_step_all_reduce_worker(rank, world_size, numel, seed):
     (numel / n numbers); all_gather then gives every rank all n shards, i.e. the whole sum.
     Returns the direct all_reduce, the two-step result and this rank's shard.
     """
-    data = torch.randn(numel, generator=torch.Generator().manual_seed(seed + rank))
+    data = seeded_randn(seed + rank, numel)
     direct = data.clone()
     dist.all_reduce(direct)
     shard = torch.empty(numel // world_size)
