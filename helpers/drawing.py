@@ -58,9 +58,13 @@ def plot_timelines(runs: dict, label_min_ms: float = 8):
         ax.invert_yaxis()
         everyone = "both ranks" if len(per_rank) == 2 else f"all {len(per_rank)} ranks"
         ax.set_title(f"{name}: {everyone} done after {finished * 1e3:.0f} ms", fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in labels.values()]
-    axes[0, 0].legend(handles, list(labels), fontsize=8, frameon=False, ncols=len(labels),
-                      loc="lower right", bbox_to_anchor=(1, 1.12))
+    by_color = {}  # labels that share a colour share a legend entry: "send / recv"
+    for label, bar_color in labels.items():
+        by_color.setdefault(bar_color, []).append(label)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in by_color]
+    axes[0, 0].legend(handles, [" / ".join(names) for names in by_color.values()], fontsize=8,
+                      frameon=False, ncols=len(by_color), loc="lower right",
+                      bbox_to_anchor=(1, 1.12))
     axes[-1, 0].set_xlabel("time since the common start (ms)")
     fig.tight_layout()
     return fig

@@ -16,12 +16,16 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import shutil
+import tempfile
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from helpers import rules as rules_module
 from helpers.launcher import run
 from helpers.launcher.report import WorkerError, WorkerTimeout, is_consequence
+from helpers.rules import CallRecorder, RuleBroken
 
 
 @dataclass
@@ -32,14 +36,20 @@ class Exercise:
     inputs: callable = None  # inputs(rank, world_size, *args), or inputs(*args): what it is given
     distributed: bool = True
     timeout: float = 10
+    rules: tuple = ()  # helpers.rules.Rule: what the task forbids or requires, checked in the ranks
+    names: tuple = ()  # for a tuple result, what each element is: ("the mean", "the variance")
     lesson: str = ""  # the lesson's package, e.g. "helpers.collectives" (filled in by `exercises`)
 
-    def worker(self, function):
-        """The worker that `run` starts: hands each rank its inputs, calls the learner's code."""
+    def worker(self, function, log_dir: str):
+        """The worker that `run` starts: hands each rank its inputs and calls the learner's code,
+        with every communication call logged to `log_dir` and checked against the rules."""
         inputs = self.inputs or (lambda rank, world_size, *args: args)
+        task_rules = self.rules
 
         def call_with_inputs(rank, world_size, *args):
-            return function(rank, world_size, *inputs(rank, world_size, *args))
+            log_file = rules_module.log_path(log_dir, rank)
+            with CallRecorder(task_rules, log_file, function):
+                return function(rank, world_size, *inputs(rank, world_size, *args))
 
         return call_with_inputs
 
@@ -124,28 +134,47 @@ def _check_case(exercise, function, case):
             return _not_started(exercise)
         except Exception as error:  # noqa: BLE001 - the student's code may raise anything
             return [f"Your function raised {type(error).__name__}: {error}"]
-        problem = _compare(got, exercise.expected(*case))
+        problem = _compare(got, exercise.expected(*case), exercise.names)
         return [f"For the input {given}: {problem}"] if problem else None
     world_size, args = case
+    log_dir = tempfile.mkdtemp(prefix="helpers-check-")
     try:
-        out = run(exercise.worker(function), world_size, args=args, timeout=exercise.timeout,
-                  show_output=False)
-    except WorkerTimeout as timeout:
-        return [f"On {world_size} ranks your function did not finish within {exercise.timeout:g} s "
-                "(a deadlock?). Where each rank was:", *str(timeout).splitlines()[1:]]
-    except WorkerError as error:
-        if error.type_name == "NotImplementedError":
-            return _not_started(exercise)
-        lines = [f"On {world_size} ranks:", *str(error).splitlines()]
-        if is_consequence(error.message):
-            lines.append(f"Hint: rank {error.rank} was still waiting for a partner that had "
+        return _check_ranks(exercise, function, world_size, args, log_dir)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _check_ranks(exercise, function, world_size, args, log_dir):
+    on = f"On {world_size} ranks"
+    failure = out = None
+    try:
+        out = run(exercise.worker(function, log_dir), world_size, args=args,
+                  timeout=exercise.timeout, show_output=False)
+    except (WorkerTimeout, WorkerError) as error:
+        failure = error
+    if isinstance(failure, WorkerError) and failure.type_name == "NotImplementedError":
+        return _not_started(exercise)
+    if isinstance(failure, WorkerError) and failure.type_name == RuleBroken.__name__:
+        return [f"{on}, rank {failure.rank} broke a rule: {failure.message}"]
+    logs = rules_module.read_logs(log_dir, world_size)
+    broken = next((problem for rule in exercise.rules
+                   if (problem := rule.broken_by(logs, world_size))), None)
+    if broken:  # a broken rule explains a hang or a wrong value better than the symptom does
+        return [f"{on}: {broken}"]
+    if isinstance(failure, WorkerTimeout):
+        return [f"{on} your function did not finish within {exercise.timeout:g} s "
+                "(a deadlock?). Where each rank was:", *str(failure).splitlines()[1:]]
+    if isinstance(failure, WorkerError):
+        lines = [f"{on}:", *str(failure).splitlines()]
+        if is_consequence(failure.message):
+            lines.append(f"Hint: rank {failure.rank} was still waiting for a partner that had "
                          "already returned or failed. Is there a recv without a matching send "
                          "(or a collective that not every rank calls)?")
         return lines
     for rank, got in enumerate(out):
-        problem = _compare(got, exercise.expected(rank, world_size, *args))
+        problem = _compare(got, exercise.expected(rank, world_size, *args), exercise.names)
         if problem:
-            return [f"On {world_size} ranks, rank {rank}: {problem}"]
+            return [f"{on}, rank {rank}: {problem}"]
     return None
 
 
@@ -155,27 +184,48 @@ def _not_started(exercise):
             f"The task: {exercise.task}."]
 
 
-def _compare(got, expected) -> str | None:
-    """None if `got` matches `expected`, else a sentence saying how it differs."""
+def _compare(got, expected, names=()) -> str | None:
+    """None if `got` matches `expected`, else a sentence saying how it differs. The type asked
+    for is part of the answer: a tensor is not an int, and a float is not a tensor."""
     if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            return f"expected a tensor, got {type(got).__name__} {got!r}"
-        if got.shape != expected.shape:
-            return f"expected shape {tuple(expected.shape)}, got shape {tuple(got.shape)}"
-        if not torch.allclose(got.to(expected.dtype), expected, rtol=1e-5, atol=1e-5):
-            return f"expected {expected}, got {got}"
-        return None
+        return _compare_tensors(got, expected)
     if isinstance(expected, tuple):
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
             return f"expected {len(expected)} values, got {got!r}"
-        problems = [_compare(g, e) for g, e in zip(got, expected)]
-        return next((p for p in problems if p), None)
-    if isinstance(expected, float):
-        is_number = isinstance(got, (int, float, torch.Tensor)) and torch.tensor(got).numel() == 1
-        value = float(got) if is_number else None
-        if value is None or not math.isclose(value, expected, rel_tol=1e-4, abs_tol=1e-6):
-            return f"expected {expected:.6g}, got {got!r}"
+        for index, (one, want) in enumerate(zip(got, expected)):
+            problem = _compare(one, want)
+            if problem:
+                return f"{names[index]}: {problem}" if names else f"value {index}: {problem}"
         return None
-    if got != expected:
-        return f"expected {expected!r}, got {got!r}"
+    if isinstance(expected, bool) or not isinstance(expected, (int, float)):
+        return None if got == expected else f"expected {expected!r}, got {got!r}"
+    kind = type(expected).__name__
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        how = " (tensor.item() gives one)" if isinstance(got, torch.Tensor) else ""
+        return f"expected a Python {kind}{how}, got {type(got).__name__} {got!r}"
+    if isinstance(expected, int) and not isinstance(got, int):
+        return f"expected a Python int, got {type(got).__name__} {got!r}"
+    if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
+        return f"expected {expected:.6g}, got {got!r}"
     return None
+
+
+def _compare_tensors(got, expected) -> str | None:
+    if not isinstance(got, torch.Tensor):
+        return f"expected a tensor, got {type(got).__name__} {got!r}"
+    if got.shape != expected.shape:
+        return f"expected shape {tuple(expected.shape)}, got shape {tuple(got.shape)}"
+    wrong = ~torch.isclose(got.to(expected.dtype), expected, rtol=1e-5, atol=1e-5)
+    if not wrong.any():
+        return None
+    if expected.numel() <= 8:
+        return f"expected {expected}, got {got}"
+    flat = wrong.flatten().nonzero().flatten().tolist()
+    first, last = flat[0], flat[0]  # the first run of consecutive wrong elements
+    while last + 1 in flat:
+        last += 1
+    shown = slice(first, min(last + 1, first + 8))
+    where = f"element {first}" if first == last else f"elements {first} to {last}"
+    more = "" if len(flat) == last - first + 1 else f" (and {len(flat) - (last - first + 1)} more)"
+    return (f"{where} of {expected.numel()} differ{'s' if first == last else ''}{more}: expected "
+            f"{expected.flatten()[shown].tolist()}, got {got.flatten()[shown].tolist()}")

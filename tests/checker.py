@@ -1,4 +1,5 @@
-"""What every lesson's test file uses to show that an exercise's checker rejects a typical mistake.
+"""What every lesson's test file uses to show that an exercise's checker rejects a typical mistake
+(and accepts a right answer written another way).
 
 The mistakes are written in the lesson's test file. They run inside the ranks, so they travel by
 value: a rank then never imports the test module (pytest, matplotlib) to find them.
@@ -16,12 +17,22 @@ TIMEOUT = 3
 
 def expect_rejection(name, mistake, says):
     """`check(name, mistake)` fails, and its message contains `says`."""
-    cloudpickle.register_pickle_by_value(sys.modules[mistake.__module__])
-    result = exercises.check(name, mistake, timeout=TIMEOUT)
+    result = _check(name, mistake)
     text = repr(result)
     assert not result.passed, text
     assert text.startswith(f"[NOT YET] {name}\n"), text
     assert says in text, text
+
+
+def expect_acceptance(name, answer):
+    """`check(name, answer)` passes: a right answer that differs from the reference solution."""
+    result = _check(name, answer)
+    assert result.passed, repr(result)
+
+
+def _check(name, function):
+    cloudpickle.register_pickle_by_value(sys.modules[function.__module__])
+    return exercises.check(name, function, timeout=TIMEOUT)
 
 
 def not_started(*inputs):

@@ -135,9 +135,9 @@ def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
     # `import helpers` starts the worker pool in the background, with a progress bar
     first_launch = _show(page.locator(".jp-CodeCell",
                                       has_text="from helpers.processes_and_groups import").first)
-    indicator = first_launch.locator(".widget-hprogress")
-    assert indicator.count() == 1 and indicator.locator(".progress-bar-success").count() == 1
-    assert indicator.locator(".widget-label").inner_text() == "ready"
+    indicator = first_launch.locator("progress.helpers-progress")
+    assert indicator.count() == 1 and indicator.get_attribute("value") == "1.00"
+    assert "worker pool: ready" in first_launch.inner_text()
     assert "Warming up" in first_launch.inner_text()
     _screenshot(page, "01_warm_up")
     grouped = _show(page.locator(".jp-OutputArea-output",

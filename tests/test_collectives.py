@@ -35,7 +35,7 @@ def expected_after(name, world_size):
         "broadcast": [mine[0]] * n,
         "scatter": [mine[0][r : r + 1] for r in range(n)],
         "gather": [torch.cat(one)] + [None] * (n - 1),
-        "reduce": [total] + [None] * (n - 1),
+        "reduce": [total] + ["scratch"] * (n - 1),
         "all_gather": [torch.cat(one)] * n,
         "reduce_scatter": [total[r : r + 1] for r in range(n)],
         "all_reduce": [total] * n,
@@ -50,8 +50,11 @@ def test_every_collective_gives_the_textbook_result(name, world_size):
     for rank, expected in enumerate(expected_after(name, world_size)):
         if expected is None:
             assert out[rank]["after"] is None
+        elif isinstance(expected, str):  # "scratch": the values left there are gloo's business
+            assert out[rank]["scratch"] is True
         else:
             torch.testing.assert_close(out[rank]["after"], expected)
+            assert not out[rank].get("scratch", False)
 
 
 def test_unknown_collective_is_an_error():
@@ -147,6 +150,17 @@ def test_uneven_all_gather_by_padding_and_by_objects():
                 torch.testing.assert_close(got, want)
 
 
+def test_uneven_all_to_all_delivers_every_pair_its_own_count():
+    world_size = 3
+    out = run(collectives.uneven_all_to_all_worker, world_size, show_output=False)
+    for rank, result in enumerate(out):
+        sent = torch.cat([torch.full((rank + j + 1,), 10.0 * rank + j) for j in range(world_size)])
+        received = torch.cat([torch.full((r + rank + 1,), 10.0 * r + rank)
+                              for r in range(world_size)])
+        torch.testing.assert_close(result["before"], sent)
+        torch.testing.assert_close(result["after"], received)
+
+
 def test_strings_travel_with_all_gather_object():
     out = run(collectives.strings_worker, 3, show_output=False)
     assert out.results == [[f"rank {r} says hello" for r in range(3)]] * 3
@@ -185,11 +199,48 @@ def slots_not_zeroed(rank, world_size, mine):
     return everyone
 
 
+def all_gather_in_disguise(rank, world_size, mine):  # "only all_reduce", broken
+    everyone = torch.empty(world_size)
+    dist.all_gather_into_tensor(everyone, mine)
+    return everyone
+
+
+def max_instead_of_sum(rank, world_size, mine):  # right only while every number is positive
+    everyone = torch.zeros(world_size)
+    everyone[rank] = mine
+    dist.all_reduce(everyone, op=dist.ReduceOp.MAX)
+    return everyone
+
+
+def moments_as_tensors(rank, world_size, shard):
+    moments = torch.stack([torch.tensor(float(shard.numel())), shard.sum(), shard.square().sum()])
+    dist.all_reduce(moments)
+    mean = moments[1] / moments[0]
+    return mean, moments[2] / moments[0] - mean**2
+
+
+def argmax_with_local_index(rank, world_size, shard):  # forgets where its piece starts
+    largest = shard.max().reshape(1)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    hits = (shard == largest).nonzero()
+    index = torch.tensor([int(hits[0]) if len(hits) else 10**9])
+    dist.all_reduce(index, op=dist.ReduceOp.MIN)
+    return float(largest), int(index)
+
+
 @pytest.mark.parametrize("name, mistake, says", [
-    ("mean_and_variance", average_of_local_variances, "On 2 ranks, rank 0: expected"),
-    ("mean_and_variance", forgot_to_divide, "On 2 ranks, rank 0: expected"),
+    ("mean_and_variance", average_of_local_variances, "On 2 ranks, rank 0: the variance: expected"),
+    ("mean_and_variance", forgot_to_divide, "On 2 ranks, rank 0: the mean: expected"),
+    ("mean_and_variance", moments_as_tensors,
+     "On 2 ranks, rank 0: the mean: expected a Python float (tensor.item() gives one), got Tensor"),
     ("all_gather_from_all_reduce", slots_not_zeroed,
-     "On 2 ranks, rank 0: expected tensor([ 0., 10.]), got tensor([ 1., 11.])"),
+     "On 2 ranks, rank 0: expected tensor([-15.,  -5.]), got tensor([-14.,  -4.])"),
+    ("all_gather_from_all_reduce", all_gather_in_disguise,
+     "broke a rule: the task says: use only all_reduce. Your code called "
+     "dist.all_gather_into_tensor()."),
+    ("all_gather_from_all_reduce", max_instead_of_sum,
+     "On 2 ranks, rank 0: expected tensor([-15.,  -5.]), got tensor([0., 0.])"),
+    ("global_argmax", argmax_with_local_index, "On 4 ranks, rank 0: its index: expected 1, got 0"),
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)

@@ -33,5 +33,5 @@ def test_every_lesson_has_exercises_and_each_knows_its_lesson():
 
 
 def test_unknown_exercise_names_the_known_ones():
-    with pytest.raises(KeyError, match="there are: even_odd_sum, column_sum, broadcast_from_p2p"):
+    with pytest.raises(KeyError, match="there are: even_odd_sum, column_sum, grid_sums, broadcast"):
         exercises.check("even_odd", not_started)

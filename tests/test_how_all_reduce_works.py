@@ -64,13 +64,32 @@ def test_ring_trace_shows_partial_sums_spreading():
             assert trace[1 + step][2][chunk] == expected
 
 
-def tree_bytes(world_size, order, size):
-    """Bytes each rank sends on a heap-shaped tree: once up (unless root), once per child down."""
-    sent = {}
-    for position, rank in enumerate(order):
-        children = sum(1 for c in (2 * position + 1, 2 * position + 2) if c < world_size)
-        sent[rank] = size * ((position > 0) + children)
-    return [sent[r] for r in range(world_size)]
+def test_nccl_binary_tree_is_the_one_drawn_in_trees_cc():
+    # The illustration above ncclGetBtree in NVIDIA/nccl src/graph/trees.cc, for 14 ranks
+    children = {0: [8], 8: [4, 12], 4: [2, 6], 12: [10, 13], 2: [1, 3], 6: [5, 7], 10: [9, 11]}
+    tree = algorithms.nccl_binary_tree(14)
+    for rank in range(14):
+        parent, kids = tree[rank]
+        assert sorted(kids) == children.get(rank, [])
+        assert parent == next((p for p, c in children.items() if rank in c), None)
+
+
+@pytest.mark.parametrize("world_size", [4, 5, 6, 7, 8])
+def test_in_nccls_double_tree_no_rank_is_a_leaf_twice_and_nobody_sends_3_halves(world_size):
+    first, second = algorithms.nccl_double_tree(world_size)
+    for tree in (first, second):  # each is a tree: one root, and every edge seen from both ends
+        assert sum(parent is None for parent, _ in tree.values()) == 1
+        for rank, (parent, _) in tree.items():
+            assert parent is None or rank in tree[parent][1]
+    assert not [r for r in range(world_size) if not first[r][1] and not second[r][1]]
+    sent = [(first[r][0] is not None) + len(first[r][1]) + (second[r][0] is not None)
+            + len(second[r][1]) for r in range(world_size)]  # in halves of the tensor
+    assert max(sent) <= 4  # at most 2 tensors, where one heap tree has ranks sending 3
+
+
+def tree_bytes(tree, size):
+    """Bytes each rank sends on a tree: once up (unless root), once per child down."""
+    return [size * ((tree[r][0] is not None) + len(tree[r][1])) for r in range(len(tree))]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 6, 7])
@@ -83,14 +102,17 @@ def test_tree_all_reduce_equals_the_sum_and_counts_its_bytes(world_size, double)
     for result in out:
         torch.testing.assert_close(result["result"], total)
     if double:
-        half = numel // 2 * 4
-        first = tree_bytes(world_size, list(range(world_size)), half)
-        second = tree_bytes(world_size, list(reversed(range(world_size))), half)
-        expected = [a + b for a, b in zip(first, second)]
+        first, second = algorithms.nccl_double_tree(world_size)
+        expected = [a + b for a, b in zip(tree_bytes(first, numel // 2 * 4),
+                                          tree_bytes(second, numel // 2 * 4))]
     else:
-        expected = tree_bytes(world_size, list(range(world_size)), numel * 4)
+        expected = tree_bytes(algorithms.heap_tree(world_size), numel * 4)
     assert [result["bytes_sent"] for result in out] == expected
     assert sum(expected) == 2 * (world_size - 1) * numel * 4  # every edge carries M up and M down
+
+
+def test_a_heap_tree_has_ranks_that_send_3_times_the_tensor():
+    assert tree_bytes(algorithms.heap_tree(6), 1) == [2, 3, 2, 1, 1, 1]
 
 
 def test_double_tree_is_more_even_than_one_tree():
@@ -107,6 +129,10 @@ def test_cost_models_follow_their_formulas():
     alpha, beta = 5e-6, 50e9
     ring = algorithms.ring_seconds(8, 1e6, alpha, beta)
     assert ring == pytest.approx(14 * (alpha + 1e6 / 8 / beta))
+    assert algorithms.recursive_doubling_seconds(8, 1e6, alpha, beta) == pytest.approx(
+        3 * alpha + 3 * 1e6 / beta)
+    assert algorithms.halving_doubling_seconds(8, 1e6, alpha, beta) == pytest.approx(
+        6 * alpha + 1.75 * 1e6 / beta)
     assert algorithms.tree_seconds(8, 1e6, alpha, beta) == pytest.approx(6 * alpha + 2e6 / beta)
     for topology in algorithms.TOPOLOGIES:
         seconds = algorithms.all_reduce_on(topology, 64, 1e8, 5e10)
@@ -133,27 +159,22 @@ def test_stepper_and_topology_widgets_build():
 # Typical wrong answers to the exercises, and what the checker says.
 
 
-def _ring_with_a_bug(rank, world_size, data, steps):
-    """The exercise's ring, adding at every step (right only in the reduce-scatter phase)."""
-    chunks = list(data.chunk(world_size))
+def all_gather_with_a_collective(rank, world_size, piece, lengths):
+    pieces = [torch.empty(length) for length in lengths]
+    dist.all_gather(pieces, piece)  # fails anyway for unequal lengths on gloo; the rule comes first
+    return torch.cat(pieces)
+
+
+def ring_all_gather_wrong_piece(rank, world_size, piece, lengths):  # always sends its own piece
+    pieces = [torch.empty(length) for length in lengths]
+    pieces[rank] = piece.clone()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for step in range(steps):
-        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
-        incoming = torch.empty_like(chunks[receive])
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
-                                           dist.P2POp(dist.irecv, incoming, left)])
-        for request in requests:
+    for step in range(world_size - 1):
+        receive = (rank - step - 1) % world_size
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, pieces[rank], right),
+                                               dist.P2POp(dist.irecv, pieces[receive], left)]):
             request.wait()
-        chunks[receive] += incoming
-    return data
-
-
-def ring_that_adds_in_both_phases(rank, world_size, data):
-    return _ring_with_a_bug(rank, world_size, data, steps=2 * (world_size - 1))
-
-
-def ring_without_all_gather(rank, world_size, data):
-    return _ring_with_a_bug(rank, world_size, data, steps=world_size - 1)
+    return torch.cat(pieces)
 
 
 def tree_with_wrong_parent(rank, world_size, tensor):
@@ -168,10 +189,37 @@ def tree_with_wrong_parent(rank, world_size, tensor):
     return tensor
 
 
+def all_reduce_by_ring(rank, world_size, data):  # right sum, but 2(n-1) sends, not log2 n
+    from helpers.how_all_reduce_works.workers import ring_all_reduce
+
+    ring_all_reduce(data)
+    return data
+
+
+def doubling_without_the_partners_sum(rank, world_size, data):  # adds its own data back
+    distance = 1
+    while distance < world_size:
+        partner = rank ^ distance
+        incoming = torch.empty_like(data)
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, data, partner),
+                                               dist.P2POp(dist.irecv, incoming, partner)]):
+            request.wait()
+        data = data + data
+        distance *= 2
+    return data
+
+
 @pytest.mark.parametrize("name, mistake, says", [
-    ("ring_all_reduce", ring_that_adds_in_both_phases, "On 2 ranks, rank 0: expected tensor("),
-    ("ring_all_reduce", ring_without_all_gather, "On 2 ranks, rank 0: expected tensor("),
+    ("ring_all_gather", all_gather_with_a_collective,
+     "broke a rule: the task says: use point-to-point calls only (no collectives). Your code "
+     "called dist.all_gather()."),
+    ("ring_all_gather", ring_all_gather_wrong_piece,
+     "On 3 ranks:\nrank 1 died from signal SIGABRT"),
     ("tree_reduce", tree_with_wrong_parent, "On 5 ranks"),
+    ("recursive_doubling_all_reduce", all_reduce_by_ring,
+     "On 2 ranks: recursive doubling sends log2 n times per rank: rank 0 sent 2 times on 2 ranks, "
+     "where 1 is enough."),
+    ("recursive_doubling_all_reduce", doubling_without_the_partners_sum, "On 2 ranks, rank 0:"),
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)

@@ -322,6 +322,33 @@ def test_torchrun_runs_the_same_worker(tmp_path):
     assert "'group_sum': 0" in lines[0] and "'group_sum': 1" in lines[1]
 
 
+def test_two_torchrun_nodes_meet_through_c10d_rendezvous(tmp_path):
+    """Two torchrun processes on this machine act as two nodes of 2 processes each; the c10d
+    rendezvous gives them different node ranks, so the four processes are global ranks 0-3."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-id", "course-test", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "-m", "helpers.launcher.torchrun",
+               "helpers.processes_and_groups.workers:halves_worker"]
+    nodes = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    lines = []
+    for node in nodes:
+        stdout, stderr = node.communicate(timeout=180)
+        assert node.returncode == 0, stderr
+        node_lines = [line for line in stdout.splitlines() if line.startswith("[rank")]
+        assert len(node_lines) == 2, stdout  # each node ran two of the four ranks
+        lines += node_lines
+    halves = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    for rank in range(4):
+        line = next(line for line in lines if line.startswith(f"[rank {rank}] "))
+        assert f"'group_ranks': {halves[rank]}" in line
+        assert f"'group_sum': {sum(halves[rank])}" in line
+
+
 def test_root_cause_skips_errors_that_echo_a_peer_failure():
     from helpers.launcher.rank import ExceptionReport
 

@@ -85,9 +85,9 @@ def test_published_sweeps_are_drawn_and_labelled_as_not_measured():
     assert labels[0] == "here (measured here)"
     assert len(labels) == 1 + len(published.PUBLISHED_SWEEPS)
     assert all(label.endswith("(published, not measured here)") for label in labels[1:])
-    for _, source, points in published.PUBLISHED_SWEEPS:
-        assert "github.com" in source
-        assert [size for size, _ in points] == sorted(size for size, _ in points)
+    for _, source, conditions, points in published.PUBLISHED_SWEEPS:
+        assert "github.com/stas00/ml-engineering" in source and "all_reduce_bench.py" in conditions
+        assert [size for size, _ in points] == [2**k for k in range(15, 35)]  # 32 KiB ... 16 GiB
 
 
 # Typical wrong answers to the exercises, and what the checker says.
@@ -107,11 +107,27 @@ def alpha_and_beta_swapped(size1, seconds1, size2, seconds2):
     return beta, seconds1 - size1 / beta
 
 
+def all_to_all_counted_twice(op, world_size, size_bytes, seconds):  # as if it were all_reduce
+    if op == "all_to_all":
+        return size_bytes / seconds * 2 * (world_size - 1) / world_size
+    return bus_bandwidth(op, world_size, size_bytes, seconds)
+
+
+def whole_array_across_the_nodes(size_bytes, nodes, gpus_per_node, intra_bandwidth,
+                                 inter_bandwidth):  # forgets that each GPU sends only S/g out
+    g, n = gpus_per_node, nodes
+    inside = (g - 1) / g * size_bytes / intra_bandwidth
+    return 2 * inside + 2 * (n - 1) / n * size_bytes / inter_bandwidth
+
+
 @pytest.mark.parametrize("name, mistake, says", [
     ("bus_bandwidth", algbw_not_busbw, "For the input ('all_reduce', 4, 67108864, 0.05): expected"),
     ("bus_bandwidth", reduce_scatter_on_output_size,
      "For the input ('reduce_scatter', 8, 16777216, 0.01)"),
-    ("alpha_beta_from_two_points", alpha_and_beta_swapped, "expected 0.001, got"),
+    ("bus_bandwidth", all_to_all_counted_twice, "For the input ('all_to_all', 4, 4194304, 0.004)"),
+    ("alpha_beta_from_two_points", alpha_and_beta_swapped, "alpha: expected 0.001, got"),
+    ("two_level_all_reduce_seconds", whole_array_across_the_nodes,
+     "For the input (1073741824, 4, 8, 450000000000.0, 50000000000.0): expected"),
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)

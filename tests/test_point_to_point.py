@@ -44,16 +44,25 @@ def test_too_small_receive_buffer_kills_the_receiver():
     assert "Received data size doesn't match expected size" in caught.value.traceback
 
 
-@pytest.mark.parametrize("nonblocking, labels", [
-    (False, [["send", "compute"], ["recv", "compute"]]),
-    (True, [["isend", "compute", "wait"], ["irecv", "compute", "wait"]]),
+@pytest.mark.parametrize("mode, labels", [
+    ("compute alone", [["compute"], ["compute"]]),
+    ("blocking", [["send", "compute"], ["recv", "compute"]]),
+    ("overlapped", [["isend", "compute", "wait"], ["irecv", "compute", "wait"]]),
 ])
-def test_overlap_timelines_record_each_step_in_order(nonblocking, labels):
-    out = run(p2p.overlap_worker, 2, args=(2**16, 2, nonblocking), show_output=False)
+def test_overlap_timelines_record_each_step_in_order(mode, labels):
+    out = run(p2p.overlap_worker, 2, args=(2**16, 2, mode), show_output=False)
     for rank, events in enumerate(out):
         assert [label for label, _, _ in events] == labels[rank]
         times = [t for _, start, end in events for t in (start, end)]
         assert times == sorted(times) and times[0] >= 0
+
+
+def test_collectives_in_crossed_group_order_deadlock():
+    with pytest.raises(WorkerTimeout) as caught:
+        run(p2p.crossed_groups_worker, 2, timeout=2, show_output=False)
+    for rank in range(2):
+        assert caught.value.where[rank].startswith(
+            "blocked in torch.distributed.all_reduce(), called from crossed_groups_worker")
 
 
 def test_both_ranks_sending_first_deadlocks_in_send():
@@ -127,12 +136,43 @@ def shift_the_wrong_way(rank, world_size, tensor):
     return received
 
 
+def broadcast_with_a_collective(rank, world_size, tensor):
+    dist.broadcast(tensor, src=0)
+    return tensor
+
+
+def linear_broadcast(rank, world_size, tensor):  # tree_broadcast: rank 0 sends to everyone
+    if rank == 0:
+        for other in range(1, world_size):
+            dist.send(tensor, dst=other)
+    else:
+        dist.recv(tensor, src=0)
+    return tensor
+
+
+def chain_broadcast(rank, world_size, tensor):  # one send per rank, but n - 1 rounds
+    if rank > 0:
+        dist.recv(tensor, src=rank - 1)
+    if rank < world_size - 1:
+        dist.send(tensor, dst=rank + 1)
+    return tensor
+
+
 @pytest.mark.parametrize("name, mistake, says", [
     ("broadcast_from_p2p", broadcast_to_rank_one_only, "Is there a recv without a matching send"),
     ("broadcast_from_p2p", return_without_communicating, "On 2 ranks, rank 1: expected tensor("),
+    ("broadcast_from_p2p", broadcast_with_a_collective,
+     "rank 0 broke a rule: the task says: use only send and recv. Your code called "
+     "dist.broadcast()."),
     ("ring_shift", blocking_send_first, "blocked in torch.distributed.send()"),
     ("ring_shift", shift_the_wrong_way,
      "On 3 ranks, rank 0: expected tensor([2., 2., 2.]), got tensor([1., 1., 1.])"),
+    ("tree_broadcast", linear_broadcast,
+     "On 5 ranks: a rank sends at most ⌈log2 n⌉ times: rank 0 sent 4 times on 5 ranks, where 3 "
+     "are enough."),
+    ("tree_broadcast", chain_broadcast,
+     "On 5 ranks: every rank has the data after ⌈log2 n⌉ rounds: rank 4 got the data in round 4 "
+     "on 5 ranks, where 3 rounds are enough."),
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)

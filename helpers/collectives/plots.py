@@ -12,7 +12,8 @@ def draw_buffers(ax, results: list, key: str, width: int, reduced: bool = False)
     """Every rank's `key` buffer ("before" or "after") as a row of cells on `ax`.
 
     A cell's colour is the rank its number came from (the tens digit of the inputs); grey when
-    the number is a reduction of several ranks' numbers (`reduced`)."""
+    the number is a reduction of several ranks' numbers (`reduced`); hatched when the rank's buffer
+    was only scratch space (reduce off its destination)."""
     n = len(results)
     for rank, item in enumerate(results):
         y = n - 1 - rank
@@ -20,12 +21,17 @@ def draw_buffers(ax, results: list, key: str, width: int, reduced: bool = False)
         if item[key] is None:
             ax.text(0.1, y + 0.4, "(no buffer)", va="center", color="#999", fontsize=8)
             continue
+        scratch = key == "after" and item.get("scratch", False)
         for i, value in enumerate(item[key].tolist()):
             fill = GREY if reduced and key == "after" else color(int(value) // 10)
-            ax.add_patch(Rectangle((i, y), 0.94, 0.8, facecolor=fill, alpha=0.9))
-            ax.text(i + 0.47, y + 0.4, f"{value:g}", ha="center", va="center", color="white",
-                    fontsize=9, fontweight="bold")
-    ax.set_xlim(-1.1, width)
+            ax.add_patch(Rectangle((i, y), 0.94, 0.8, facecolor="white" if scratch else fill,
+                                   edgecolor=GREY, hatch="//" if scratch else None, alpha=0.9))
+            ax.text(i + 0.47, y + 0.4, f"{value:g}", ha="center", va="center",
+                    color=GREY if scratch else "white", fontsize=9, fontweight="bold")
+        if scratch:
+            ax.text(len(item[key]) + 0.1, y + 0.4, "scratch,\nnot a result", va="center",
+                    color=GREY, fontsize=7)
+    ax.set_xlim(-1.1, width + 1.2)
     ax.set_ylim(-0.2, n)
     ax.set_title(key)
     ax.axis("off")

@@ -2,14 +2,19 @@
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
+from IPython.display import display
 
 from helpers.collectives import plots
-from helpers.collectives.workers import COLLECTIVES, REDUCING, RULES, collective_worker
+from helpers.collectives.workers import COLLECTIVES, EXAMPLES, REDUCING, RULES, collective_worker
 from helpers.launcher import run
+from helpers.notebook import show_code
 
 
-def show_collective(collective: str, world_size: int):
-    """Run one collective on `world_size` ranks and draw every rank's buffers before and after."""
+def show_collective(collective: str, world_size: int, code: bool = True):
+    """Show the call (the example's code), run it on `world_size` ranks, and draw every rank's
+    buffers before and after."""
+    if code:
+        display(show_code(EXAMPLES[collective]))
     out = run(collective_worker, world_size, args=(collective,), show_output=False)
     plots.plot_collective(collective, out.results, RULES[collective],
                           reduced=collective in REDUCING)

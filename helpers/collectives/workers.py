@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from helpers.reference import seeded_randn
 
-RULES = {
+RULES = {  # what each collective does, in one line
     "broadcast": "rank 0's tensor is copied to every rank",
     "scatter": "rank 0's tensor is cut into n pieces; rank r gets piece r",
     "gather": "every rank's tensor is collected, in rank order, on rank 0",
@@ -29,46 +29,83 @@ COLLECTIVES = list(RULES)
 REDUCING = {"reduce", "reduce_scatter", "all_reduce"}
 
 
+def tagged(rank, world_size):
+    """Rank r's n numbers, 10 r + [0, 1, ..., n-1]: the tens digit says where a number came from."""
+    return 10.0 * rank + torch.arange(world_size, dtype=torch.float32)
+
+
+# One example per collective: the call, with the buffers each rank passes. Each returns this
+# rank's {"before": tensor or None, "after": tensor or None}; None where a rank has no such buffer.
+
+def broadcast_example(rank, world_size):
+    tensor = tagged(rank, world_size)
+    before = tensor.clone()
+    dist.broadcast(tensor, src=0)  # in place: afterwards every rank holds rank 0's tensor
+    return {"before": before, "after": tensor}
+
+
+def scatter_example(rank, world_size):
+    mine = tagged(rank, world_size)
+    pieces = list(mine.chunk(world_size)) if rank == 0 else None  # only the source has a list
+    piece = torch.empty(1)
+    dist.scatter(piece, scatter_list=pieces, src=0)
+    return {"before": mine if rank == 0 else None, "after": piece}
+
+
+def gather_example(rank, world_size):
+    mine = torch.tensor([10.0 * rank])
+    pieces = [torch.empty(1) for _ in range(world_size)] if rank == 0 else None  # only dst
+    dist.gather(mine, gather_list=pieces, dst=0)
+    return {"before": mine, "after": torch.cat(pieces) if rank == 0 else None}
+
+
+def all_gather_example(rank, world_size):
+    mine = torch.tensor([10.0 * rank])
+    everyone = torch.empty(world_size)  # n times the input; dist.all_gather takes a list instead
+    dist.all_gather_single(everyone, mine)
+    return {"before": mine, "after": everyone}
+
+
+def all_to_all_example(rank, world_size):
+    mine = tagged(rank, world_size)  # piece j (here one number) goes to rank j
+    received = torch.empty(world_size)  # piece r of every rank, in rank order
+    dist.all_to_all_single(received, mine)
+    return {"before": mine, "after": received}
+
+
+def reduce_example(rank, world_size):
+    tensor = tagged(rank, world_size)
+    before = tensor.clone()
+    dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM)  # the sum lands in rank 0's tensor
+    # Elsewhere gloo used the tensor as scratch space: it holds partial sums, not a result.
+    return {"before": before, "after": tensor, "scratch": rank != 0}
+
+
+def reduce_scatter_example(rank, world_size):
+    mine = tagged(rank, world_size)
+    piece = torch.empty(1)  # 1/n of the input: piece r of the sum
+    dist.reduce_scatter_single(piece, mine, op=dist.ReduceOp.SUM)
+    return {"before": mine, "after": piece}
+
+
+def all_reduce_example(rank, world_size):
+    tensor = tagged(rank, world_size)
+    before = tensor.clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # in place: every rank holds the sum
+    return {"before": before, "after": tensor}
+
+
+EXAMPLES = {"broadcast": broadcast_example, "scatter": scatter_example,
+            "gather": gather_example, "reduce": reduce_example,
+            "all_gather": all_gather_example, "reduce_scatter": reduce_scatter_example,
+            "all_reduce": all_reduce_example, "all_to_all": all_to_all_example}
+
+
 def collective_worker(rank, world_size, name):
-    """Run the collective `name` once. Returns {"before": tensor or None, "after": tensor or None}
-    for this rank; None where the rank has no such buffer (scatter's inputs off rank 0, gather's
-    and reduce's outputs off rank 0)."""
-    n = world_size
-    mine = 10.0 * rank + torch.arange(n, dtype=torch.float32)  # n numbers, tagged with the rank
-    one = torch.tensor([10.0 * rank])  # one number per rank, for the gathers
-    if name == "broadcast":
-        after = mine.clone()
-        dist.broadcast(after, src=0)
-        return {"before": mine, "after": after}
-    if name == "scatter":
-        after = torch.empty(1)
-        dist.scatter(after, list(mine.chunk(n)) if rank == 0 else None, src=0)
-        return {"before": mine if rank == 0 else None, "after": after}
-    if name == "gather":
-        gathered = [torch.empty(1) for _ in range(n)] if rank == 0 else None
-        dist.gather(one, gathered, dst=0)
-        return {"before": one, "after": torch.cat(gathered) if rank == 0 else None}
-    if name == "reduce":
-        after = mine.clone()  # off rank 0 gloo may use it as scratch space: not a result
-        dist.reduce(after, dst=0, op=dist.ReduceOp.SUM)
-        return {"before": mine, "after": after if rank == 0 else None}
-    if name == "all_gather":
-        after = torch.empty(n)
-        dist.all_gather_single(after, one)
-        return {"before": one, "after": after}
-    if name == "reduce_scatter":
-        after = torch.empty(1)
-        dist.reduce_scatter_single(after, mine, op=dist.ReduceOp.SUM)
-        return {"before": mine, "after": after}
-    if name == "all_reduce":
-        after = mine.clone()  # all_reduce works in place
-        dist.all_reduce(after, op=dist.ReduceOp.SUM)
-        return {"before": mine, "after": after}
-    if name == "all_to_all":
-        after = torch.empty(n)
-        dist.all_to_all_single(after, mine)
-        return {"before": mine, "after": after}
-    raise ValueError(f"unknown collective {name!r}; choose one of {COLLECTIVES}")
+    """Run the example of collective `name` once (see EXAMPLES)."""
+    if name not in EXAMPLES:
+        raise ValueError(f"unknown collective {name!r}; choose one of {COLLECTIVES}")
+    return EXAMPLES[name](rank, world_size)
 
 
 def barrier_worker(rank, world_size, seconds_per_rank):
@@ -98,12 +135,9 @@ def reduce_ops_worker(rank, world_size):
     for name in REDUCE_OPS:
         for dtype in (torch.float32, torch.int64):
             tensor = reduce_op_input(rank, dtype)
-            try:
-                if name == "PREMUL_SUM":
-                    op = dist._make_nccl_premul_sum(2.0)
-                else:
-                    op = getattr(dist.ReduceOp, name)
-                dist.all_reduce(tensor, op=op)
+            try:  # PREMUL_SUM takes its factor: ReduceOp.PREMUL_SUM(2.0)
+                op = getattr(dist.ReduceOp, name)
+                dist.all_reduce(tensor, op=op(2.0) if name == "PREMUL_SUM" else op)
                 results[(name, str(dtype).removeprefix("torch."))] = tensor.tolist()
             except RuntimeError as error:
                 results[(name, str(dtype).removeprefix("torch."))] = str(error).splitlines()[0]
@@ -111,8 +145,9 @@ def reduce_ops_worker(rank, world_size):
 
 
 def scaled_sum_worker(rank, world_size, factor):
-    """PREMUL_SUM (NCCL only) multiplies every input by `factor` inside the reduction. The same
-    result on any backend: scale locally, then SUM. Returns factor * sum of the inputs."""
+    """PREMUL_SUM (NCCL and XCCL in torch 2.13, not gloo) multiplies every input by `factor`
+    inside the reduction. The same result on any backend: scale locally, then SUM. Returns
+    factor * sum of the inputs."""
     tensor = reduce_op_input(rank, torch.float32) * factor
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -191,6 +226,22 @@ def uneven_all_gather_worker(rank, world_size):
     as_objects = [None] * world_size
     dist.all_gather_object(as_objects, mine)
     return {"padded": trimmed, "objects": as_objects}
+
+
+def uneven_all_to_all_worker(rank, world_size):
+    """What mixture-of-experts routing needs: rank r sends r + j + 1 numbers to rank j, a
+    different count for every pair. The counts travel first, one number per pair; then the data,
+    with `input_split_sizes` and `output_split_sizes`. Each number is 10 r + j (from r, to j).
+    Returns {"before": what this rank sends, "after": what it received}, in rank order."""
+    send_counts = torch.tensor([rank + j + 1 for j in range(world_size)])
+    receive_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(receive_counts, send_counts)  # rank j learns what every rank sends it
+    outgoing = torch.cat([torch.full((int(count),), 10.0 * rank + j)
+                          for j, count in enumerate(send_counts)])
+    incoming = torch.empty(int(receive_counts.sum()))
+    dist.all_to_all_single(incoming, outgoing, output_split_sizes=receive_counts.tolist(),
+                           input_split_sizes=send_counts.tolist())
+    return {"before": outgoing, "after": incoming}
 
 
 def strings_worker(rank, world_size):

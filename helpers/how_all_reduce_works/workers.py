@@ -65,20 +65,58 @@ def ring_trace_worker(rank, world_size):
     return trace
 
 
-def tree_all_reduce(tensor, permutation=None) -> int:
-    """Sum `tensor` across all ranks, in place, on a binary tree: reduce up to the root, then
-    broadcast down. Tree positions are heap positions (children of p: 2p+1, 2p+2) given to the
-    ranks in the order `permutation` (default: rank order). Returns the bytes this rank sent.
+def heap_tree(world_size) -> dict:
+    """The tree of a heap: rank p's children are 2p+1 and 2p+2. {rank: (parent, children)}."""
+    return {rank: ((rank - 1) // 2 if rank else None,
+                   [child for child in (2 * rank + 1, 2 * rank + 2) if child < world_size])
+            for rank in range(world_size)}
 
-    It takes 2 * floor(log2 n) rounds instead of the ring's 2(n-1), but every interior rank sends
-    the whole tensor to each child, so the busiest ranks send about 2x the tensor: more than the
-    ring's 2(n-1)/n, and unevenly.
+
+def nccl_binary_tree(world_size) -> dict:
+    """NCCL's binary tree (src/graph/trees.cc, ncclGetBtree): rank 0 is the root, with one child;
+    below it the ranks form an in-order tree in which every odd rank is a leaf.
+    {rank: (parent, children)}."""
+    tree = {0: (None, [1 << (world_size - 1).bit_length() - 1] if world_size > 1 else [])}
+    for rank in range(1, world_size):
+        bit = rank & -rank  # the lowest set bit says how high up the tree the rank sits
+        parent = (rank ^ bit) | (bit << 1)
+        if parent >= world_size:
+            parent = rank ^ bit
+        children, step = [], bit >> 1
+        if step:
+            children.append(rank - step)
+            while step and rank + step >= world_size:  # the right subtree may be cut short
+                step >>= 1
+            if step:
+                children.append(rank + step)
+        tree[rank] = (parent, children)
+    return tree
+
+
+def nccl_double_tree(world_size) -> tuple:
+    """NCCL's two trees (src/graph/trees.cc, ncclGetDtree): the binary tree, and the same tree
+    mirrored (rank r takes the place of n-1-r) when n is even, or shifted by one rank when n is
+    odd. Every odd rank is a leaf of the first tree, and mirroring or shifting swaps odd and even,
+    so no rank is a leaf in both: the ranks that send little in one tree send more in the other."""
+    first = nccl_binary_tree(world_size)
+
+    def move(rank):  # mirror when n is even, shift by one when n is odd
+        return world_size - 1 - rank if world_size % 2 == 0 else (rank + 1) % world_size
+
+    second = {move(rank): (None if parent is None else move(parent), [move(c) for c in children])
+              for rank, (parent, children) in first.items()}
+    return first, second
+
+
+def tree_all_reduce(tensor, tree) -> int:
+    """Sum `tensor` across all ranks, in place, on `tree` ({rank: (parent, children)}): reduce up to
+    the root, then broadcast down. Returns the bytes this rank sent.
+
+    It takes about 2 log2 n rounds instead of the ring's 2(n-1). But an interior rank sends the
+    whole tensor once up and once to each child: 3 times the tensor for a rank with a parent and two
+    children, against the ring's 2(n-1)/n for everyone, and the leaves send it only once.
     """
-    rank, n = dist.get_rank(), dist.get_world_size()
-    order = list(permutation) if permutation is not None else list(range(n))
-    position = order.index(rank)
-    parent = order[(position - 1) // 2] if position else None
-    children = [order[c] for c in (2 * position + 1, 2 * position + 2) if c < n]
+    parent, children = tree[dist.get_rank()]
     size = tensor.numel() * tensor.element_size()
     bytes_sent = 0
     incoming = torch.empty_like(tensor)
@@ -98,20 +136,19 @@ def tree_all_reduce(tensor, permutation=None) -> int:
 def tree_all_reduce_worker(rank, world_size, numel, seed, double):
     """Tree all-reduce of random data, checked against dist.all_reduce.
 
-    `double=True` is the double binary tree idea: the tensor's two halves go over two trees in
-    which the ranks are placed in opposite orders, so that ranks that are leaves (sending little)
-    in one tree are interior (sending a lot) in the other, and the load evens out. (NCCL also
-    runs both trees at once and pipelines the chunks; here they run one after the other.)
+    `double=False`: one heap tree. `double=True`: NCCL's double binary tree, each tree carrying half
+    of the tensor (NCCL also runs both at once and pipelines the chunks; here they run one after the
+    other). Returns the result, the reference and the bytes this rank sent.
     """
     data = seeded_randn(seed + rank, numel)
     reference = data.clone()
     dist.all_reduce(reference)
     if double:
-        first, second = data.chunk(2)
-        bytes_sent = tree_all_reduce(first) + tree_all_reduce(
-            second, permutation=list(reversed(range(world_size))))
+        first, second = nccl_double_tree(world_size)
+        half, other_half = data.chunk(2)
+        bytes_sent = tree_all_reduce(half, first) + tree_all_reduce(other_half, second)
     else:
-        bytes_sent = tree_all_reduce(data)
+        bytes_sent = tree_all_reduce(data, heap_tree(world_size))
     return {"result": data, "reference": reference, "bytes_sent": bytes_sent}
 
 
@@ -124,6 +161,19 @@ def tree_seconds(n, size_bytes, alpha, beta):
     """alpha-beta model of a pipelined (double) binary tree, as NCCL runs it: about 2 log2(n)
     latencies, and the data crosses each link about twice, whatever n."""
     return 2 * math.log2(n) * alpha + 2 * size_bytes / beta
+
+
+def recursive_doubling_seconds(n, size_bytes, alpha, beta):
+    """alpha-beta model of recursive doubling (n a power of two): log2(n) steps, each exchanging
+    the whole partial sum with the rank 2**k away. Few latencies, but log2(n) times the data."""
+    return math.log2(n) * (alpha + size_bytes / beta)
+
+
+def halving_doubling_seconds(n, size_bytes, alpha, beta):
+    """alpha-beta model of recursive halving then doubling (Rabenseifner; n a power of two): a
+    reduce-scatter that halves the data at each of log2(n) steps, then an all-gather that doubles
+    it back. 2 log2(n) latencies and the ring's 2(n-1)/n of the data."""
+    return 2 * math.log2(n) * alpha + 2 * (n - 1) / n * size_bytes / beta
 
 
 def all_reduce_on(topology, n, size_bytes, device_bandwidth):

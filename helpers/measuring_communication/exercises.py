@@ -1,14 +1,25 @@
 """Lesson 04's exercises, checked by `helpers.exercises.check(name, your_function)`."""
 
 from helpers.exercises import Exercise
-from helpers.measuring_communication.workers import bandwidths
+from helpers.measuring_communication.workers import BUSBW_FACTORS, bandwidths
+
+
+def _two_level_seconds(size_bytes, nodes, gpus_per_node, intra_bandwidth, inter_bandwidth):
+    """Reduce-scatter inside each node, all-reduce of each GPU's 1/g piece across the nodes (a
+    ring over the nodes), all-gather inside each node; each phase at its own link's bandwidth."""
+    g = gpus_per_node
+    inside = BUSBW_FACTORS["reduce_scatter"](g) * size_bytes / intra_bandwidth
+    across = BUSBW_FACTORS["all_reduce"](nodes) * size_bytes / g / inter_bandwidth
+    return inside + across + inside
+
 
 EXERCISES = {
     "bus_bandwidth": Exercise(
         "given op, world size n, size S in bytes and time t in seconds, return busbw in "
         "bytes/s with nccl-tests' factors",
         [("all_reduce", 4, 2**26, 0.05), ("reduce_scatter", 8, 2**24, 0.01),
-         ("broadcast", 2, 2**20, 0.001), ("all_gather", 3, 3 * 2**20, 0.002)],
+         ("broadcast", 2, 2**20, 0.001), ("all_gather", 3, 3 * 2**20, 0.002),
+         ("all_to_all", 4, 2**22, 0.004), ("reduce", 6, 2**20, 0.003)],
         lambda op, n, size, seconds: bandwidths(op, n, size, seconds)["busbw"],
         distributed=False),
     "alpha_beta_from_two_points": Exercise(
@@ -18,5 +29,14 @@ EXERCISES = {
         lambda alpha, beta, size1, size2: (alpha, beta),
         inputs=lambda alpha, beta, size1, size2: (size1, alpha + size1 / beta,
                                                   size2, alpha + size2 / beta),
+        distributed=False, names=("alpha", "beta")),
+    "two_level_all_reduce_seconds": Exercise(
+        "given S bytes on each of `nodes` x `gpus_per_node` GPUs, the bandwidth of the links "
+        "inside a node and of each GPU's link between nodes (bytes/s, one direction), return the "
+        "bandwidth-only time of a two-level all-reduce: reduce-scatter inside each node, "
+        "all-reduce of each GPU's piece across the nodes, all-gather inside each node",
+        [(2**30, 4, 8, 450e9, 50e9), (2**28, 1, 8, 450e9, 50e9), (2**28, 16, 1, 450e9, 50e9),
+         (10**9, 2, 4, 300e9, 25e9)],
+        _two_level_seconds,
         distributed=False),
 }

@@ -35,8 +35,9 @@ def plot_sweeps(sweeps: dict, fits: dict | None = None):
             time_ax.axvline(crossover, color=line_color, ls=":", lw=1)
     time_ax.set_xlabel("size S (bytes)")
     time_ax.set_ylabel("time (s)")
-    time_ax.set_title("time: flat where latency dominates, rising where bandwidth does\n"
-                      "(dotted: size where both terms are equal)", fontsize=9)
+    crossover = "\n(line: the fitted model; dotted: the size where both terms are equal)"
+    time_ax.set_title("time: flat where latency dominates, rising where bandwidth does"
+                      + (crossover if fits else ""), fontsize=9)
     time_ax.legend(fontsize=7)
     bw_ax.set_xlabel("size S (bytes)")
     bw_ax.set_ylabel("busbw (GB/s)")
@@ -48,28 +49,30 @@ def plot_sweeps(sweeps: dict, fits: dict | None = None):
 
 def plot_against_published(measured: dict, published: list):
     """busbw against size: sweeps measured here (label -> bench records) and published ones
-    ((label, source, [(size, busbw)]) from published.PUBLISHED_SWEEPS), labelled as not measured."""
+    ((label, source, conditions, [(size, busbw)]) from published.PUBLISHED_SWEEPS), labelled as
+    not measured here."""
     fig, ax = plt.subplots(figsize=(8, 4))
     for index, (label, records) in enumerate(measured.items()):
         ax.loglog([r["size_bytes"] for r in records], [_gigabytes(r["busbw"]) for r in records],
                   "o-", color=color(index), label=f"{label} (measured here)")
-    for index, (label, _, points) in enumerate(published):
+    for index, (label, _, _, points) in enumerate(published):
         sizes, busbw = zip(*points)
         ax.loglog(sizes, [_gigabytes(b) for b in busbw], "s--", color="#999999",
                   alpha=1 - 0.35 * index, label=f"{label} (published, not measured here)")
     ax.set_xlabel("size S (bytes)")
     ax.set_ylabel("all_reduce busbw (GB/s)")
-    ax.set_title("The same sweep on GPU servers", fontsize=10)
+    ax.set_title("The same sweep on GPU servers (published, in S. Bekman's ML Engineering book)",
+                 fontsize=10)
     ax.legend(fontsize=7, frameon=False)
     fig.tight_layout()
     return fig
 
 
 def plot_links(measured: dict, published: list):
-    """Horizontal bars, log scale: bandwidths measured here (dict label -> bytes/s) against vendor
-    peak figures (list of (label, bytes/s, source)), which are labelled as not measured."""
+    """Horizontal bars, log scale: bandwidths measured here (dict label -> bytes/s) against
+    published link figures (list of (label, bytes/s, where)), which are labelled as not measured."""
     labels = [f"{label} (measured here)" for label in measured]
-    labels += [f"{label} (vendor peak, not measured)" for label, _, _ in published]
+    labels += [f"{label} (published, not measured)" for label, _, _ in published]
     values = [_gigabytes(v) for v in measured.values()] + [_gigabytes(v) for _, v, _ in published]
     colors = [color(0)] * len(measured) + ["#bbbbbb"] * len(published)
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(values) + 1))

@@ -1,24 +1,47 @@
-"""Figures published elsewhere that lesson 04 sets beside its measurements, each with its source.
-None of them is measured here.
+"""Figures published elsewhere that lesson 04 sets beside its measurements. None is measured here.
+
+Every number is copied exactly from the file named, at the commit named, of S. Bekman's "Machine
+Learning Engineering Open Book" (github.com/stas00/ml-engineering). Its units: 1 KiB = 2**10
+bytes, 1 GBps = 10**9 bytes per second.
 """
 
-# Vendor peak figures for comparison, NOT measured here. Per GPU, one direction.
+BOOK = ("S. Bekman, Machine Learning Engineering Open Book, "
+        "github.com/stas00/ml-engineering @744d01e")
+
+# Per GPU (or per port), one direction, in bytes/s: (label, bytes/s, where in BOOK).
 PUBLISHED_LINKS = [
-    ("PCIe 4.0 x16", 32e9, "PCI-SIG: 16 GT/s x 16 lanes, 128b/130b encoding"),
-    ("PCIe 5.0 x16", 64e9, "PCI-SIG: 32 GT/s x 16 lanes"),
-    ("InfiniBand NDR, one port", 50e9, "NVIDIA ConnectX-7: 400 Gb/s"),
-    ("NVLink 3 (A100)", 300e9, "NVIDIA A100 datasheet: 600 GB/s total, both directions"),
-    ("NVLink 4 (H100 SXM)", 450e9, "NVIDIA H100 datasheet: 900 GB/s total, both directions"),
+    ("PCIe 4.0 x16", 31e9, "network/README.md, PCIe table: 31 GBps uni-dir."),
+    ("PCIe 5.0 x16", 63e9, "network/README.md, PCIe table: 63 GBps uni-dir."),
+    ("InfiniBand NDR400, one port", 50e9,
+     "network/README.md, inter-node table: 400 Gbps, 50 GBps uni-dir."),
+    ("NVLink 3 (A100)", 300e9, "network/README.md, NVLink table: 300 GBps uni-dir., 600 duplex"),
+    ("NVLink 4 (H100, H200)", 450e9,
+     "network/README.md, NVLink table: 450 GBps uni-dir., 900 duplex"),
 ]
 
-# Published all_reduce sweeps, NOT measured here: (label, source, [(S bytes, busbw bytes/s)]).
-_ML_ENGINEERING = ("S. Bekman, Machine Learning Engineering Open Book, "
-                   "network/benchmarks/README.md (github.com/stas00/ml-engineering)")
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+SIZES = [32 * KIB, 64 * KIB, 128 * KIB, 256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB,
+         16 * MIB, 32 * MIB, 64 * MIB, 128 * MIB, 256 * MIB, 512 * MIB, 1 * GIB, 2 * GIB, 4 * GIB,
+         8 * GIB, 16 * GIB]
+
+# all_reduce busbw (GBps) against the size of the whole tensor, both measured with the book's own
+# benchmarks/all_reduce_bench.py (torch.distributed.all_reduce timed with CUDA events after a
+# barrier, algbw averaged over ranks and iterations; busbw = algbw * 2(n-1)/n), not nccl-tests.
+H200_NODE_BUSBW = [1.44, 2.93, 5.73, 11.74, 23.94, 39.93, 64.53, 107.16, 155.53, 219.89, 275.84,
+                   346.51, 401.93, 436.15, 450.29, 463.58, 469.17, 473.10, 477.45, 482.26]
+B200_FOUR_NODES_BUSBW = [0.01, 0.04, 0.45, 1.33, 2.84, 5.37, 10.38, 18.90, 35.12, 64.43, 91.19,
+                         156.74, 197.94, 229.09, 326.90, 361.99, 372.42, 377.34, 380.39, 381.80]
+
+# (label, source, conditions, [(S bytes, busbw bytes/s)])
 PUBLISHED_SWEEPS = [
-    ("8x H200, one node (NVLink 4 + NVSwitch), nccl-tests", _ML_ENGINEERING,
-     [(2**15, 3.20e9), (2**20, 72.45e9), (2**24, 242.45e9), (2**26, 369.82e9),
-      (2**30, 464.00e9), (2**34, 480.70e9)]),
-    ("4 nodes of 8x B200 (32 ranks, across the network)", _ML_ENGINEERING,
-     [(2**15, 0.65e9), (2**20, 12.47e9), (2**24, 71.80e9), (2**26, 197.77e9),
-      (2**30, 365.99e9), (2**34, 376.71e9)]),
+    ("8x H200, one node (NVLink 4, NVSwitch)",
+     f"{BOOK}, network/README.md, section 'Real network throughput'",
+     "all_reduce_bench.py; the book's network/benchmarks/README.md gives torch 2.9.1+cu130, "
+     "CUDA 13.0, NCCL 2.27.7 for its H200 sweep; NCCL used NVLS from 2 MiB up",
+     [(size, gbps * 1e9) for size, gbps in zip(SIZES, H200_NODE_BUSBW)]),
+    ("4 nodes of 8x B200 (32 GPUs; 8x 50 GBps EFA per node)",
+     f"{BOOK}, network/README.md, section 'Inter-node speed depends on intra-node speed'",
+     "all_reduce_bench.py on AWS P6-B200 nodes (NVLink 5 inside, 8x 50 GBps EFA v4 out), "
+     "torch 2.9.1+cu130, CUDA 13.0, NCCL 2.27.7",
+     [(size, gbps * 1e9) for size, gbps in zip(SIZES, B200_FOUR_NODES_BUSBW)]),
 ]

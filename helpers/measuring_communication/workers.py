@@ -1,10 +1,12 @@
 """Lesson 04's workers and formulas: timing a collective, algbw and busbw, size sweeps, the
 alpha-beta fit, memory-copy bandwidth.
 
-Conventions are nccl-tests' (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md): S is the size of
-the whole array (for all_gather the gathered output, for reduce_scatter the input), t the time of
-the slowest rank, algbw = S / t, and busbw = algbw * factor(n), the factor making busbw comparable
-with the hardware's link bandwidth whatever the collective and the number of ranks.
+The bandwidths follow nccl-tests (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md): S is the size
+of the whole array (for all_gather the gathered output, for reduce_scatter the input),
+algbw = S / t, and busbw = algbw * factor(n), the factor making busbw comparable with the
+hardware's link bandwidth whatever the collective and the number of ranks. The timing differs
+from nccl-tests' (see benchmark_worker): here every call starts after a barrier and lasts as long
+as its slowest rank, and the median of the calls is kept.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ def _collective(op, size_bytes, world_size):
 def benchmark_worker(rank, world_size, op, size_bytes, warmup, iterations):
     """Time `op` on an array of `size_bytes`: `warmup` untimed calls, then `iterations` timed ones,
     each started together after a barrier. A collective lasts as long as its slowest rank, so the
-    per-iteration times are reduced with MAX across ranks. Returns the median, in seconds."""
+    per-iteration times are reduced with MAX across ranks. Returns the median, in seconds.
+
+    nccl-tests instead times its iterations back to back, with no barrier between them, takes the
+    mean per iteration, and averages it over the ranks (src/common.cu, defaults -n 20 -z 0 -a 1)."""
     call = _collective(op, size_bytes, world_size)
     for _ in range(warmup):
         call()
@@ -75,7 +80,7 @@ def bandwidths(op: str, world_size: int, size_bytes: int, seconds: float) -> dic
 
 def sweep(op, world_size, sizes, warmup=2, iterations=10, progress=None) -> list:
     """Measure `op` at every size (one launch per size; Ctrl-C stops it cleanly between or during
-    launches). `progress`, e.g. an ipywidgets.IntProgress, advances by one per size.
+    launches). `progress`, e.g. a helpers.notebook.progress_bar, advances by one per size.
     Returns one `bandwidths` record per size."""
     records = []
     for size_bytes in sizes:

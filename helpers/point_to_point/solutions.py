@@ -22,3 +22,14 @@ def ring_shift(rank, world_size, tensor):
     for request in requests:
         request.wait()
     return received
+
+
+def tree_broadcast(rank, world_size, tensor):
+    step = 1  # in the round where `step` ranks have the data, rank r < step sends to r + step
+    while step < world_size:
+        if rank < step and rank + step < world_size:
+            dist.send(tensor, dst=rank + step)
+        elif step <= rank < 2 * step:
+            dist.recv(tensor, src=rank - step)
+        step *= 2
+    return tensor

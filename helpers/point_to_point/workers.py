@@ -42,12 +42,12 @@ def receive_into_worker(rank, world_size, sent_numel, received_numel, received_d
     return buffer
 
 
-def overlap_worker(rank, world_size, numel, matmuls, nonblocking):
+def overlap_worker(rank, world_size, numel, matmuls, mode):
     """Rank 0 sends `numel` floats to rank 1; both ranks also have `matmuls` of compute to do.
 
-    Blocking: transfer, then compute. Non-blocking (`isend`/`irecv`): start the transfer, compute
-    while it runs, then `wait()`. Returns this rank's timeline, [(label, start_s, end_s), ...],
-    measured from a common start (a barrier).
+    mode "compute alone": no transfer at all (the baseline). "blocking": transfer, then compute.
+    "overlapped" (`isend`/`irecv`): start the transfer, compute while it runs, then `wait()`.
+    Returns this rank's timeline, [(label, start_s, end_s), ...], from a common start (a barrier).
     """
     tensor = torch.randn(numel) if rank == 0 else torch.empty(numel)
     matrix = torch.randn(256, 256)
@@ -65,20 +65,24 @@ def overlap_worker(rank, world_size, numel, matmuls, nonblocking):
         record("compute", began)
 
     began = time.perf_counter()
-    if nonblocking:
+    if mode == "overlapped":
         request = dist.isend(tensor, dst=1) if rank == 0 else dist.irecv(tensor, src=0)
         record("isend" if rank == 0 else "irecv", began)
         compute()  # must not touch `tensor` here: the transfer may still be reading/writing it
         began = time.perf_counter()
         request.wait()
         record("wait", began)
-    else:
+    elif mode == "blocking":
         if rank == 0:
             dist.send(tensor, dst=1)
         else:
             dist.recv(tensor, src=0)
         record("send" if rank == 0 else "recv", began)
         compute()
+    elif mode == "compute alone":
+        compute()
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
     return events
 
 
@@ -119,6 +123,16 @@ def ring_worker(rank, world_size):
     for request in requests:
         request.wait()
     return incoming
+
+
+def crossed_groups_worker(rank, world_size):
+    """The same deadlock with collectives: two groups of the same two ranks, used in opposite
+    orders. Rank 0 waits in group A for rank 1, which waits in group B for rank 0."""
+    group_a, group_b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    tensor = torch.ones(1)
+    for group in (group_a, group_b) if rank == 0 else (group_b, group_a):
+        dist.all_reduce(tensor, group=group)
+    return tensor
 
 
 def mismatched_collectives_worker(rank, world_size):

@@ -23,14 +23,22 @@ def busy_loop(iterations: int) -> int:
 
 
 def busy_worker(rank, world_size, iterations):
-    """Each rank does the same busy loop in its own process (its own interpreter, its own GIL)."""
-    return busy_loop(iterations)
+    """Each rank does the same busy loop in its own process (its own interpreter, its own GIL).
+    Returns how long the loop took there, in seconds."""
+    started = time.perf_counter()
+    busy_loop(iterations)
+    return time.perf_counter() - started
 
 
 def time_threads_and_processes(worker_counts, iterations) -> dict:
-    """Wall time of `n` copies of the busy loop, as n threads in this process and as n ranks."""
+    """Wall time of `n` copies of the busy loop, as n threads in this process and as n ranks;
+    and how long one copy takes alone, in this process and inside a rank."""
     timings = {"workers": list(worker_counts), "threads": [], "processes": []}
     run(busy_worker, 1, args=(1,), show_output=False)  # start the launcher before timing it
+    started = time.perf_counter()
+    busy_loop(iterations)
+    timings["one copy here"] = time.perf_counter() - started
+    timings["one copy in a rank"] = run(busy_worker, 1, args=(iterations,), show_output=False)[0]
     for count in worker_counts:
         started = time.perf_counter()
         with ThreadPoolExecutor(count) as pool:
@@ -42,12 +50,27 @@ def time_threads_and_processes(worker_counts, iterations) -> dict:
     return timings
 
 
+def skipped_group_worker(rank, world_size, then_another):
+    """Rank 0 skips creating the group [2, 3], which it is not a member of; the others create it.
+
+    Returns each rank's count of groups created so far (torch names a group by this count). With
+    `then_another`, every rank then creates one more group: ranks that counted differently wait
+    for each other under different names, and never meet."""
+    dist.new_group([0, 1])
+    if rank != 0:
+        dist.new_group([2, 3])
+    counted = dist.distributed_c10d._world.group_count  # private: the name of the next group
+    if then_another:
+        dist.new_group(list(range(world_size)))
+    return counted
+
+
 def halves_worker(rank, world_size):
     """Split the world in two halves and all-reduce SUM inside each half (`dist.new_group`).
 
     Before: rank r holds the tensor [r]. After: every rank holds the sum of the ranks of its own
-    half. Every rank must call `new_group` for *both* groups, in the same order, even the group it
-    is not in: creating a group is itself a collective over the whole world.
+    half. Every rank calls `new_group` for *both* groups, in the same order, even the group it is
+    not in: torch names groups by counting them (see skipped_group_worker).
     """
     first_half = list(range(world_size // 2))
     second_half = list(range(world_size // 2, world_size))

@@ -1,0 +1,224 @@
+"""The rules an exercise states ("only send and recv", "every rank creates every group"), enforced
+while the learner's function runs in the ranks.
+
+Inside each rank a `CallRecorder` wraps torch.distributed's communication calls for the duration
+of the function. Every call is logged to a file of the rank's own, which the checker reads even
+when the run failed or hung; a call that a rule forbids raises `RuleBroken` at once, quoting the
+rule. After the run, each rule looks at every rank's log (`Rule.broken_by`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import threading
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+COLLECTIVES = (
+    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "monitored_barrier",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+)
+RECORDED = POINT_TO_POINT + COLLECTIVES + ("new_group",)
+
+
+class RuleBroken(RuntimeError):
+    """The learner's function broke a rule of the task."""
+
+
+class Rule:
+    """One rule of a task. `text` is the rule as the task states it; messages quote it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def forbids(self, call: str, detail) -> bool:
+        """Checked in the rank at every call: True stops the function with `RuleBroken`."""
+        return False
+
+    def broken_by(self, logs: dict, world_size: int) -> str | None:
+        """Checked after the run on every rank's calls, [(call, detail)]: a sentence, or None."""
+        return None
+
+
+class Only(Rule):
+    """Of torch.distributed's communication calls, only `calls` may be used."""
+
+    def __init__(self, *calls: str, text: str):
+        super().__init__(text)
+        self.calls = calls
+
+    def forbids(self, call, detail):
+        return call in POINT_TO_POINT + COLLECTIVES and call not in self.calls
+
+
+class SameGroups(Rule):
+    """Every rank creates every group (`new_group`), with the same members, in the same order.
+    Groups made with use_local_synchronization=True are named by their members, not by counting,
+    so only their members need to create them: they do not count here."""
+
+    def __init__(self, text: str = "every rank must create every group, in the same order"):
+        super().__init__(text)
+
+    def broken_by(self, logs, world_size):
+        created = {rank: [detail["ranks"] for call, detail in calls
+                          if call == "new_group" and not detail["local"]]
+                   for rank, calls in logs.items()}
+        if len({json.dumps(groups) for groups in created.values()}) <= 1:
+            return None
+        listed = "; ".join(f"rank {rank} created {groups}"
+                           for rank, groups in sorted(created.items()))
+        return f"{self.text} ({listed})."
+
+
+class AtMostSends(Rule):
+    """Each rank sends at most `limit(rank, world_size)` tensors (send, isend, or an isend in
+    batch_isend_irecv)."""
+
+    def __init__(self, limit, text: str):
+        super().__init__(text)
+        self.limit = limit
+
+    def broken_by(self, logs, world_size):
+        for rank, calls in sorted(logs.items()):
+            count, allowed = len(sends(calls)), self.limit(rank, world_size)
+            if count > allowed:
+                return (f"{self.text}: rank {rank} sent {count} times on {world_size} ranks, "
+                        f"where {allowed} {'is' if allowed == 1 else 'are'} enough.")
+        return None
+
+
+def sends(calls) -> list:
+    """The ranks a rank sent to, in order, from its log."""
+    peers = []
+    for name, detail in calls:
+        if name in ("send", "isend"):
+            peers.append(detail)
+        elif name == "batch_isend_irecv":
+            peers += [peer for op, peer in detail if op == "isend"]
+    return peers
+
+
+class OffTheWorld(Rule):
+    """`calls` must name a group other than the whole world."""
+
+    def __init__(self, *calls: str, text: str):
+        super().__init__(text)
+        self.calls = calls
+
+    def forbids(self, call, detail):
+        return call in self.calls and detail is None
+
+
+def log_path(log_dir: str, rank: int) -> str:
+    return os.path.join(log_dir, f"rank{rank}.jsonl")
+
+
+def read_logs(log_dir: str, world_size: int) -> dict:
+    """rank -> [(call, detail)], for every rank that logged anything."""
+    logs = {}
+    for rank in range(world_size):
+        with contextlib.suppress(FileNotFoundError), open(log_path(log_dir, rank)) as log:
+            logs[rank] = [tuple(json.loads(line)) for line in log]
+    return logs
+
+
+def log2_ceil(rank, world_size) -> int:
+    """⌈log2 n⌉: the rounds of a binomial tree, or of recursive doubling, on n ranks."""
+    return math.ceil(math.log2(world_size))
+
+
+class CallRecorder:
+    """While active, torch.distributed's communication calls are logged and checked against
+    `rules`. Wraps the module attributes, and the learner's own references to them (a function
+    written after `from torch.distributed import send` holds the original)."""
+
+    def __init__(self, rules, log_file: str, function):
+        self.rules, self.log_file, self.function = rules, log_file, function
+        self.saved = []
+        self.depth = threading.local()  # torch's own calls inside a recorded one are not logged
+
+    def __enter__(self):
+        self.log = open(self.log_file, "a")  # noqa: SIM115 - closed in __exit__
+        originals = {name: getattr(distributed_c10d, name) for name in RECORDED}
+        wrapped = {name: self._wrap(name, original) for name, original in originals.items()}
+        namespaces = [dist, distributed_c10d, *_globals_of(self.function)]
+        by_identity = {id(original): name for name, original in originals.items()}
+        for namespace in namespaces:
+            is_module = not isinstance(namespace, dict)
+            items = vars(namespace) if is_module else namespace
+            for key, value in list(items.items()):
+                name = by_identity.get(id(value))
+                if name is not None and (not is_module or key == name):
+                    self.saved.append((namespace, key, value))
+                    _set(namespace, key, wrapped[name])
+        return self
+
+    def __exit__(self, *exc_info):
+        for namespace, key, value in reversed(self.saved):
+            _set(namespace, key, value)
+        self.log.close()
+
+    def _wrap(self, name, original):
+        signature = inspect.signature(original)
+
+        def recorded(*args, **kwargs):
+            if getattr(self.depth, "value", 0):
+                return original(*args, **kwargs)
+            detail = _detail(name, signature.bind_partial(*args, **kwargs).arguments)
+            self.log.write(json.dumps([name, detail]) + "\n")
+            self.log.flush()
+            for rule in self.rules:
+                if rule.forbids(name, detail):
+                    raise RuleBroken(f"the task says: {rule.text}. Your code called dist.{name}().")
+            self.depth.value = 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.depth.value = 0
+
+        recorded.__name__ = recorded.__qualname__ = name
+        return recorded
+
+
+def _detail(name, arguments):
+    """What the log keeps of a call: the members of a new group, the peer of a point-to-point
+    call, the members of a collective's group (None for the whole world)."""
+    if name == "new_group":
+        ranks = arguments.get("ranks")
+        return {"ranks": sorted(ranks) if ranks is not None else None,
+                "local": bool(arguments.get("use_local_synchronization", False))}
+    if name in ("send", "isend"):
+        return arguments.get("dst")
+    if name in ("recv", "irecv"):
+        return arguments.get("src")
+    if name == "batch_isend_irecv":
+        return [[op.op.__name__, op.peer] for op in arguments.get("p2p_op_list", [])]
+    group = arguments.get("group")
+    if group is None or group is dist.GroupMember.WORLD:
+        return None
+    return dist.get_process_group_ranks(group)
+
+
+def _globals_of(function):
+    """The global namespaces of `function` and of the functions it refers to (one level)."""
+    namespaces = [getattr(function, "__globals__", {})]
+    for value in list(namespaces[0].values()):
+        inner = getattr(value, "__globals__", None)
+        if inner is not None and all(inner is not seen for seen in namespaces):
+            namespaces.append(inner)
+    return namespaces
+
+
+def _set(namespace, key, value):
+    if isinstance(namespace, dict):
+        namespace[key] = value
+    else:
+        setattr(namespace, key, value)
