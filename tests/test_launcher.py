@@ -418,3 +418,31 @@ def test_run_under_torchrun_warns_about_the_arguments_it_ignores(tmp_path):
     assert warning == ("run() under torchrun ignores world_size=4 (torchrun started 1 processes); "
                        "show_output=False (each process prints straight to torchrun's output); "
                        "env (set variables before torchrun starts, e.g. in the shell)")
+
+
+UNGUARDED_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from helpers import run
+    def total(rank, world_size):
+        value = torch.tensor([rank + 1.0])
+        dist.all_reduce(value)
+        return value.item()
+    print(run(total, 3, show_output=False).results)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["python - < script", "python script.py", "python -m script"])
+def test_a_script_without_a_main_guard_runs_once(how, tmp_path):
+    """The ranks do not re-run the main module, however python was given it."""
+    (tmp_path / "script.py").write_text(UNGUARDED_SCRIPT)
+    command = {"python - < script": [sys.executable, "-"],
+               "python script.py": [sys.executable, "script.py"],
+               "python -m script": [sys.executable, "-m", "script"]}[how]
+    completed = subprocess.run(
+        command, input=UNGUARDED_SCRIPT if how.endswith("< script") else None,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": REPO})
+    assert completed.stdout.strip() == "[6.0, 6.0, 6.0]", completed.stderr
+    assert "Traceback" not in completed.stderr, completed.stderr

@@ -42,7 +42,7 @@ import torch.multiprocessing
 
 from helpers.launcher import rank as _rank
 from helpers.launcher import report
-from helpers.launcher.pool import warm_up
+from helpers.launcher.pool import main_module_kept_from_ranks, warm_up
 from helpers.launcher.report import WorkerError, WorkerTimeout
 
 MAX_WORLD_SIZE = 64
@@ -290,10 +290,11 @@ def _free_port() -> int:
 def _start(job: _rank.Job, start_method: str):
     receivers, senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(job.world_size)))
     try:
-        context = torch.multiprocessing.start_processes(
-            _rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
-            start_method=start_method,
-        )
+        with main_module_kept_from_ranks():
+            context = torch.multiprocessing.start_processes(
+                _rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
+                start_method=start_method,
+            )
     finally:
         for sender in senders:  # the ranks hold their own copies now
             sender.close()

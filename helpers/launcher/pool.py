@@ -7,6 +7,7 @@ two imports run side by side on two cores.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import sys
@@ -54,7 +55,8 @@ def _start_forkserver(indicator) -> None:
     context.set_forkserver_preload(FORKSERVER_PRELOAD)
     try:
         first = context.Process(target=_exit_at_once)  # forked once the preloads are imported
-        first.start()
+        with main_module_kept_from_ranks():
+            first.start()
         first.join()
     finally:
         if indicator is not None:
@@ -63,6 +65,31 @@ def _start_forkserver(indicator) -> None:
 
 def _exit_at_once():
     pass
+
+
+@contextlib.contextmanager
+def main_module_kept_from_ranks():
+    """Start processes without re-running the main module in them.
+
+    multiprocessing makes every new process import the parent's main module again (from its
+    `__spec__` under `python -m`, else from its `__file__`), so a script without an
+    `if __name__ == "__main__":` guard would launch again from inside each rank, and a script
+    read from standard input (`__file__ = "<stdin>"`) could not start any rank at all. The ranks
+    need nothing from the main module: the worker and its arguments travel by value
+    (cloudpickle). So the two names are hidden while the processes start."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__")
+             if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # multiprocessing reads main.__spec__ itself: it must exist
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _in_a_kernel() -> bool:
