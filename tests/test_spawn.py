@@ -99,13 +99,13 @@ def test_join_false_is_refused_with_the_reason():
         spawn(tutorial_style_worker, args=(2,), nprocs=2, join=False)
 
 
-# CS336 lecture 8 (github.com/stanford-cs336/spring2025-lectures, lecture_08.py, its helpers in
-# lecture_08_utils.py and torch_util.py), as the lecture writes it (so its long lines stay). The one
-# edit: its spawn() calls helpers.spawn where the lecture calls mp.spawn (its branch for running
-# under a tracer is left out). text() renders the lecture's notes: a stub here.
+# The first example of CS336 lecture 8 (setup, cleanup, collective_operations_main), as the
+# course's source notes (shared/seeds) give it, long lines included. Around it, stand-ins written
+# here for the lecture's own helpers: get_device (cuda:index when there is a GPU, else the CPU),
+# text (the lecture renders notes; nothing here), and its spawn, which passes world_size first and
+# calls mp.spawn: here helpers.spawn, the one edit a lecture needs.
 LECTURE_SCRIPT = '''
 import os
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -113,21 +113,16 @@ import torch.distributed as dist
 import helpers
 
 
-def get_device(index: int = 0) -> torch.device:
-    """Try to use the GPU if possible, otherwise, use CPU."""
-    if torch.cuda.is_available():
-        return torch.device(f"cuda:{index}")
-    else:
-        return torch.device("cpu")
+def get_device(index=0):
+    return torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def text(message, style=None, verbatim=False):
+def text(note):
     pass
 
 
-def spawn(func: Callable, world_size: int, *args, **kwargs):
-    args = (world_size,) + args + tuple(kwargs.values())
-    helpers.spawn(func, args=args, nprocs=world_size, join=True)
+def spawn(function, world_size, **kwargs):
+    helpers.spawn(function, args=(world_size, *kwargs.values()), nprocs=world_size, join=True)
 
 
 def setup(rank: int, world_size: int):
