@@ -158,7 +158,7 @@ def _check_ranks(exercise, function, world_size, args, log_dir):
         return [f"{on}, rank {failure.rank} broke a rule: {failure.message}"]
     logs = rules_module.read_logs(log_dir, world_size)
     broken = next((problem for rule in exercise.rules
-                   if (problem := rule.broken_by(logs, world_size))), None)
+                   if (problem := rule.broken_by(logs, world_size, args))), None)
     if broken:  # a broken rule explains a hang or a wrong value better than the symptom does
         return [f"{on}: {broken}"]
     if isinstance(failure, WorkerTimeout):
@@ -189,9 +189,18 @@ def _compare(got, expected, names=()) -> str | None:
     for is part of the answer: a tensor is not an int, and a float is not a tensor."""
     if isinstance(expected, torch.Tensor):
         return _compare_tensors(got, expected)
-    if isinstance(expected, tuple):
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or set(got) != set(expected):
+            return f"expected a dict with keys {sorted(expected)}, got {_short(got)}"
+        for key, want in expected.items():
+            problem = _compare(got[key], want)
+            if problem:
+                return f"{key!r}: {problem}"
+        return None
+    if isinstance(expected, (tuple, list)) and any(isinstance(e, torch.Tensor) for e in expected) \
+            or isinstance(expected, tuple):
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
-            return f"expected {len(expected)} values, got {got!r}"
+            return f"expected {len(expected)} values, got {_short(got)}"
         for index, (one, want) in enumerate(zip(got, expected)):
             problem = _compare(one, want)
             if problem:
@@ -208,6 +217,18 @@ def _compare(got, expected, names=()) -> str | None:
     if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
         return f"expected {expected:.6g}, got {got!r}"
     return None
+
+
+def _short(value) -> str:
+    """A value as a message can show it: a dict by its keys, a list of tensors by its shapes."""
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(item, torch.Tensor) for item in value):
+        shapes = ", ".join(str(tuple(item.shape)) for item in value)
+        return f"a {type(value).__name__} of {len(value)} tensors of shapes {shapes}"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _compare_tensors(got, expected) -> str | None:

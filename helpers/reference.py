@@ -61,12 +61,17 @@ class Attention(nn.Module):
     """Causal multi-head self-attention with separate q, k, v projections.
 
     The head count is read from the projections' width (`view(..., -1, head_dim)`), so the same code
-    runs on a tensor-parallel shard that holds only some of the heads."""
+    runs on a tensor-parallel shard that holds only some of the heads.
+
+    k has no bias: a bias on k adds the same q . b to every score of a row, which softmax ignores,
+    so its gradient would be rounding noise, and Adam, which divides by the gradient's own size,
+    would turn that noise into full-size steps that differ between any two ways of computing it."""
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.head_dim = dim // heads
-        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), \
+            nn.Linear(dim, dim)
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x):

@@ -15,7 +15,9 @@ import json
 import math
 import os
 import threading
+from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
@@ -27,6 +29,14 @@ COLLECTIVES = (
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
 )
 RECORDED = POINT_TO_POINT + COLLECTIVES + ("new_group",)
+
+
+class Call(NamedTuple):
+    """One logged call: its name, what `_detail` keeps of it, and how many elements its first
+    tensor argument holds (None when it has none)."""
+    name: str
+    detail: object
+    numel: int | None
 
 
 class RuleBroken(RuntimeError):
@@ -43,8 +53,9 @@ class Rule:
         """Checked in the rank at every call: True stops the function with `RuleBroken`."""
         return False
 
-    def broken_by(self, logs: dict, world_size: int) -> str | None:
-        """Checked after the run on every rank's calls, [(call, detail)]: a sentence, or None."""
+    def broken_by(self, logs: dict, world_size: int, args: tuple = ()) -> str | None:
+        """Checked after the run on every rank's calls (a list of `Call`), given the case's
+        arguments: a sentence, or None."""
         return None
 
 
@@ -67,9 +78,9 @@ class SameGroups(Rule):
     def __init__(self, text: str = "every rank must create every group, in the same order"):
         super().__init__(text)
 
-    def broken_by(self, logs, world_size):
-        created = {rank: [detail["ranks"] for call, detail in calls
-                          if call == "new_group" and not detail["local"]]
+    def broken_by(self, logs, world_size, args=()):
+        created = {rank: [call.detail["ranks"] for call in calls
+                          if call.name == "new_group" and not call.detail["local"]]
                    for rank, calls in logs.items()}
         if len({json.dumps(groups) for groups in created.values()}) <= 1:
             return None
@@ -86,7 +97,7 @@ class AtMostSends(Rule):
         super().__init__(text)
         self.limit = limit
 
-    def broken_by(self, logs, world_size):
+    def broken_by(self, logs, world_size, args=()):
         for rank, calls in sorted(logs.items()):
             count, allowed = len(sends(calls)), self.limit(rank, world_size)
             if count > allowed:
@@ -98,12 +109,31 @@ class AtMostSends(Rule):
 def sends(calls) -> list:
     """The ranks a rank sent to, in order, from its log."""
     peers = []
-    for name, detail in calls:
-        if name in ("send", "isend"):
-            peers.append(detail)
-        elif name == "batch_isend_irecv":
-            peers += [peer for op, peer in detail if op == "isend"]
+    for call in calls:
+        if call.name in ("send", "isend"):
+            peers.append(call.detail)
+        elif call.name == "batch_isend_irecv":
+            peers += [peer for op, peer in call.detail if op == "isend"]
     return peers
+
+
+class CallSizes(Rule):
+    """Each rank's calls of `call`, in order, pass tensors of exactly `sizes(world_size, *args)`
+    elements: so many calls, each of the size the task's rule gives."""
+
+    def __init__(self, call: str, sizes, text: str):
+        super().__init__(text)
+        self.call, self.sizes = call, sizes
+
+    def broken_by(self, logs, world_size, args=()):
+        wanted = list(self.sizes(world_size, *args))
+        for rank, calls in sorted(logs.items()):
+            made = [entry.numel for entry in calls if entry.name == self.call]
+            if made != wanted:
+                return (f"{self.text}: rank {rank}'s {self.call} calls held {made} elements "
+                        f"({len(made)} calls), where the task's rule gives {wanted} "
+                        f"({len(wanted)} calls).")
+        return None
 
 
 class OffTheWorld(Rule):
@@ -126,7 +156,7 @@ def read_logs(log_dir: str, world_size: int) -> dict:
     logs = {}
     for rank in range(world_size):
         with contextlib.suppress(FileNotFoundError), open(log_path(log_dir, rank)) as log:
-            logs[rank] = [tuple(json.loads(line)) for line in log]
+            logs[rank] = [Call(*json.loads(line)) for line in log]
     return logs
 
 
@@ -172,8 +202,9 @@ class CallRecorder:
         def recorded(*args, **kwargs):
             if getattr(self.depth, "value", 0):
                 return original(*args, **kwargs)
-            detail = _detail(name, signature.bind_partial(*args, **kwargs).arguments)
-            self.log.write(json.dumps([name, detail]) + "\n")
+            arguments = signature.bind_partial(*args, **kwargs).arguments
+            detail = _detail(name, arguments)
+            self.log.write(json.dumps([name, detail, _numel(arguments)]) + "\n")
             self.log.flush()
             for rule in self.rules:
                 if rule.forbids(name, detail):
@@ -205,6 +236,17 @@ def _detail(name, arguments):
     if group is None or group is dist.GroupMember.WORLD:
         return None
     return dist.get_process_group_ranks(group)
+
+
+def _numel(arguments) -> int | None:
+    """The elements of a call's first tensor argument (a list of tensors: all of them)."""
+    for value in arguments.values():
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(item, torch.Tensor) for item in value):
+            return sum(item.numel() for item in value)
+    return None
 
 
 def _globals_of(function):

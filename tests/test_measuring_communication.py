@@ -38,17 +38,29 @@ def test_reduce_scatter_on_the_output_size_is_n_times_too_low():
     assert on_input / on_output == pytest.approx(4)
 
 
+@pytest.mark.parametrize("relative", [True, False])
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
-def test_alpha_beta_fit_recovers_the_parameters_of_synthetic_data(op):
+def test_alpha_beta_fit_recovers_the_parameters_of_synthetic_data(op, relative):
     alpha, beta, n = 250e-6, 3.5e9, 4
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n}[op]
     records = [bench.bandwidths(op, n, size, alpha + size * factor / beta)
                for size in (2**k for k in range(10, 27, 2))]
-    fitted_alpha, fitted_beta = bench.fit_alpha_beta(records)
+    fitted_alpha, fitted_beta = bench.fit_alpha_beta(records, relative=relative)
     assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
     assert fitted_beta == pytest.approx(beta, rel=1e-6)
     assert bench.model_seconds(fitted_alpha, fitted_beta, op, n, 2**20) == pytest.approx(
         alpha + 2**20 * factor / beta)
+
+
+def test_the_fit_in_seconds_lets_one_slow_small_call_move_alpha_less():
+    alpha, beta, n = 1e-3, 2e9, 2
+    sizes = [2**k for k in range(10, 25, 2)]
+    seconds = [alpha + size / beta for size in sizes]
+    seconds[0] *= 0.2  # one small size that happened to be five times quicker
+    records = [bench.bandwidths("all_reduce", n, size, t) for size, t in zip(sizes, seconds)]
+    on_relative = bench.fit_alpha_beta(records)[0]
+    in_seconds = bench.fit_alpha_beta(records, relative=False)[0]
+    assert abs(in_seconds - alpha) < abs(on_relative - alpha)
 
 
 @pytest.mark.parametrize("op", bench.OPERATIONS)

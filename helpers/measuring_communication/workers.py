@@ -92,15 +92,17 @@ def sweep(op, world_size, sizes, warmup=2, iterations=10, progress=None) -> list
     return records
 
 
-def fit_alpha_beta(records) -> tuple:
+def fit_alpha_beta(records, relative: bool = True) -> tuple:
     """Fit t = alpha + S_bus / beta (the alpha-beta model) to measurements, where S_bus = S *
-    factor(n) is the data each rank must move. Least squares on the *relative* error, so the
-    microsecond-scale small messages count as much as the large ones.
+    factor(n) is the data each rank must move. Least squares on the *relative* error by default,
+    so the microsecond-scale small messages count as much as the large ones; `relative=False`
+    minimises the error in seconds, the right choice for predicting the sum of many calls.
     Returns (alpha seconds, beta bytes/s)."""
     bus_bytes = np.array([r["busbw"] / r["algbw"] * r["size_bytes"] for r in records])
     seconds = np.array([r["seconds"] for r in records])
-    design = np.stack([np.ones_like(bus_bytes), bus_bytes], axis=1) / seconds[:, None]
-    (alpha, inverse_beta), *_ = np.linalg.lstsq(design, np.ones_like(seconds), rcond=None)
+    weights = 1 / seconds if relative else np.ones_like(seconds)
+    design = np.stack([np.ones_like(bus_bytes), bus_bytes], axis=1) * weights[:, None]
+    (alpha, inverse_beta), *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
     return float(alpha), float(1 / inverse_beta)
 
 
