@@ -37,6 +37,8 @@ figures: setup
 
 benchmark: setup
 	$(PY) benchmarks/launch.py
+	$(PY) benchmarks/ring.py
+	$(PY) benchmarks/ddp.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,9 @@
+"""Lesson 06, data parallelism: notebooks/06_data_parallelism.ipynb.
+
+lecture: CS336 lecture 8's data-parallel loop, run as it is. ddp: average_gradients (the naive
+loop) and DDP, a hand-built DistributedDataParallel. workers: run in the ranks (torch only).
+plots and widgets: drawn in the kernel. exercises: the checked exercises; solutions: their
+reference solutions.
+"""
+
+NOTEBOOK = "06_data_parallelism.ipynb"

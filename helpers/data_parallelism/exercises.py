@@ -1,0 +1,87 @@
+"""Lesson 06's exercises, checked by `helpers.exercises.check(name, your_function)`."""
+
+import copy
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from helpers import reference
+from helpers.data_parallelism.ddp import bucket_indices
+from helpers.exercises import Exercise
+from helpers.rules import CallSizes, Only
+
+_MODEL = reference.make_mlp(dim=8, num_layers=3, seed=4, bias=True)
+
+
+def _bucket_numels(bucket_bytes):
+    """The elements of each bucket the task's rule makes from SHAPES, in the order reduced."""
+    numels = [torch.Size(shape).numel() for shape in reversed(SHAPES)]
+    return [sum(numels[i] for i in bucket)
+            for bucket in bucket_indices([numel * 4 for numel in numels], bucket_bytes)]
+
+
+def _micro_batches(batch, m):
+    return list(zip(batch.inputs.chunk(m), batch.targets.chunk(m)))
+
+
+def _gradients_of_rank(rank, world_size, seed, shapes):
+    generator = torch.Generator().manual_seed(seed + 100 * rank)
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def _sampler_indices(dataset_size, world_size, rank, epoch, drop_last):
+    sampler = DistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=0, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+SHAPES = [(3, 4), (7,), (5, 5), (2,), (16,)]
+
+EXERCISES = {
+    "accumulated_gradients": Exercise(
+        "you get `model` (the same replica on every rank) and `micro_batches`, your slice of the "
+        "batch cut into m (inputs, targets) pairs; accumulate the gradient of the mean squared "
+        "error over your whole slice (each micro-batch's loss divided by m), then average every "
+        "gradient across the ranks with one all_reduce per parameter, in the order of "
+        "model.parameters(), once (not once per micro-batch); return {name: gradient}",
+        [(2, (8, 2)), (4, (8, 1)), (2, (16, 4))],
+        lambda rank, n, batch_size, m: reference.gradients(
+            _MODEL, reference.mlp_data(seed=5, batch_size=batch_size, dim=8)[0],
+            reference.mse_loss),
+        inputs=lambda rank, n, batch_size, m: (
+            copy.deepcopy(_MODEL),
+            _micro_batches(reference.mlp_data(seed=5, batch_size=batch_size, dim=8)[0]
+                           .shard(rank, n), m)),
+        rules=(Only("all_reduce", text="use only all_reduce"),
+               CallSizes("all_reduce", lambda n, batch_size, m: [
+                   param.numel() for param in _MODEL.parameters()],
+                   text="one all_reduce per parameter, after the last micro-batch"))),
+    "sampler_indices": Exercise(
+        "given the dataset's size, the world size, your rank, the epoch and drop_last, return, as "
+        "a list of Python ints, the indices DistributedSampler(shuffle=True, seed=0) gives your "
+        "rank in that epoch: shuffle with torch.randperm and a generator seeded with seed + "
+        "epoch; without drop_last, pad to a multiple of the world size by repeating the indices "
+        "from the first one on, as many times over as needed; with drop_last, cut the tail to a "
+        "multiple instead; then take every world_size-th index from your rank on",
+        [(10, 4, 1, 0, False), (10, 4, 3, 2, False), (10, 4, 0, 1, True), (10, 4, 1, 0, True),
+         (7, 3, 0, 5, False), (5, 8, 6, 0, False), (3, 8, 6, 0, False), (2, 8, 7, 1, False),
+         (3, 8, 2, 0, True), (12, 4, 0, 3, True)],
+        _sampler_indices,
+        distributed=False),
+    "bucketed_average": Exercise(
+        "you get `grads`, a list of tensors of different shapes, and `bucket_bytes`; average them "
+        "across the ranks with one all_reduce per bucket: walk the list from the last tensor, "
+        "packing tensors into a flat buffer until it holds at least bucket_bytes (a tensor's bytes "
+        "are numel() * element_size(), 4 for float32; the last bucket may hold less); return the "
+        "averaged tensors in the original order and shapes",
+        [(2, (0, 64)), (3, (1, 100)), (4, (2, 4 * 35)), (2, (3, 10_000)), (3, (4, 0))],
+        lambda rank, n, seed, bucket_bytes: [
+            sum(_gradients_of_rank(r, n, seed, SHAPES)[i] for r in range(n)) / n
+            for i in range(len(SHAPES))],
+        inputs=lambda rank, n, seed, bucket_bytes: (
+            _gradients_of_rank(rank, n, seed, SHAPES), bucket_bytes),
+        rules=(Only("all_reduce", text="use only all_reduce"),
+               CallSizes("all_reduce", lambda n, seed, bucket_bytes: _bucket_numels(bucket_bytes),
+                         text="one all_reduce per bucket, packed from the last tensor"))),
+}

@@ -1,0 +1,166 @@
+"""Lesson 06's pictures: replicas drifting or not, where equality with one process breaks, step
+timelines with communication under compute, and the alpha-beta model against measurement."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+from helpers.data_parallelism.step_model import predict_step
+from helpers.drawing import COLORS, GREY
+
+# Compute lane: what the rank's own thread does. Communication lane: the all_reduces in flight.
+LANE_COLORS = {"forward": "#8FBF9F", "backward": "#55A868", "step": "#8172B3",
+               "naive all_reduces": GREY, "wait": GREY}
+ALL_REDUCE_COLORS = ("#4C72B0", "#7FA3D6")  # alternating, so that neighbouring buckets show
+
+
+def plot_replica_spread(spreads: dict):
+    """How far each replica's weights are from rank 0's after every step (largest difference),
+    one line per case: {case: [spread after step 1, ...]} (per rank: the largest over ranks)."""
+    fig, ax = plt.subplots(figsize=(6.5, 2.8))
+    styles = [("s", "-", 9), ("o", "--", 5), ("^", ":", 7)]  # curves that coincide stay visible
+    for index, (case, spread) in enumerate(spreads.items()):
+        marker, line, size = styles[index % len(styles)]
+        steps = range(1, len(spread) + 1)
+        ax.plot(steps, [max(value, 1e-12) for value in spread], marker=marker, linestyle=line,
+                markersize=size, color=COLORS[index], label=case)
+    ax.set_yscale("log")
+    ax.set_ylim(1e-13, 10)
+    ax.axhline(1e-12, color=GREY, linewidth=0.8, linestyle=":")
+    ax.text(1, 2e-12, "identical (0, drawn at 1e-12)", fontsize=8, color=GREY)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("largest |weight - rank 0's|")
+    ax.legend(fontsize=8, frameon=False, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_equality(differences: dict, tolerance: float):
+    """The largest parameter difference from single-process training, one bar per case (log
+    scale); bars left of the dashed line pass `assert_close`'s float32 tolerance."""
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(differences) + 1.2))
+    cases = list(differences)
+    values = [max(differences[case], 1e-10) for case in cases]
+    colors = [COLORS[2] if value <= tolerance else COLORS[3] for value in values]
+    ax.barh(range(len(cases)), values, color=colors)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(cases)), cases, fontsize=9)
+    ax.invert_yaxis()
+    ax.axvline(tolerance, color="black", linestyle="--", linewidth=1)
+    ax.text(tolerance * 1.3, len(cases) - 0.6, "float32 tolerance", fontsize=8)
+    for y, value in enumerate(values):
+        ax.text(value * 1.3, y, f"{differences[cases[y]]:.1e}", va="center", fontsize=8)
+    ax.set_xlim(1e-10, 10)
+    ax.set_xlabel("largest |parameter - single-process parameter| after training")
+    fig.tight_layout()
+    return fig
+
+
+def _draw_step(ax, per_rank: list, y0: float = 0.0):
+    """Two lanes per rank on `ax`: what the rank computes (or waits for), and its all_reduces.
+    An all_reduce's bar ends when it completes and starts at its launch or at the previous
+    completion, whichever is later: all_reduces launched together wait for each other, and the
+    bars do not hide one another. Returns the y tick positions and their labels."""
+    ticks, labels = [], []
+    for rank, events in enumerate(per_rank):
+        compute_y, comm_y = y0 + 2 * rank, y0 + 2 * rank + 0.8
+        finished = 0.0
+        for index, (_, launched, ended) in enumerate(sorted(
+                (e for e in events if e[0] == "all_reduce"), key=lambda e: e[2])):
+            start, finished = max(launched, finished), ended  # a bar per completion, no overlap
+            ax.barh(comm_y, (ended - start) * 1e3, left=start * 1e3, height=0.7,
+                    color=ALL_REDUCE_COLORS[index % 2], edgecolor="white", linewidth=0.5)
+        for label, start, end in events:
+            if label == "all_reduce":
+                continue
+            waiting = label in ("naive all_reduces", "wait")
+            ax.barh(compute_y, (end - start) * 1e3, left=start * 1e3, height=0.7,
+                    color=LANE_COLORS.get(label, GREY), hatch="///" if waiting else None,
+                    edgecolor="white", alpha=0.6 if waiting else 1)
+        ticks += [compute_y, comm_y]
+        who = f"rank {rank}" if len(per_rank) > 1 else "each rank"
+        labels += [f"{who} compute", f"{who} all_reduce"]
+    return ticks, labels
+
+
+def _legend(ax):
+    handles = [Patch(color=LANE_COLORS[name], label=name) for name in ("forward", "backward",
+                                                                         "step")]
+    handles += [Patch(facecolor=GREY, alpha=0.6, hatch="///", label="waiting for all_reduce"),
+                Patch(color=ALL_REDUCE_COLORS[0], label="all_reduce (a bar per completion)")]
+    ax.legend(handles=handles, fontsize=8, frameon=False, ncols=5, loc="lower left",
+              bbox_to_anchor=(0, 1.15))
+
+
+def plot_step_timelines(runs: dict, what: str = "measured"):
+    """One training step per strategy, {title: {"events": per-rank event lists,
+    "step_seconds": s}}: a compute lane and an all_reduce lane per rank, on a common time axis."""
+    lanes = 2 * max(len(run["events"]) for run in runs.values())
+    fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
+                             figsize=(9, 0.42 * lanes * len(runs) + 1.3))
+    for ax, (title, run) in zip(axes[:, 0], runs.items()):
+        ticks, labels = _draw_step(ax, run["events"])
+        ax.set_yticks(ticks, labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{title}: step {run['step_seconds'] * 1e3:.0f} ms ({what})", fontsize=10,
+                     loc="left")
+    _legend(axes[0, 0])
+    axes[-1, 0].set_xlabel("time since the step started (ms)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_bucketing(measured: dict, predicted: dict):
+    """Time to average the gradients after backward, per bucket size: measured bars and the
+    alpha-beta model's prediction ({label: seconds} each, same labels)."""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    labels = list(measured)
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], [measured[k] * 1e3 for k in labels], width=0.4,
+           color=COLORS[0], label="measured")
+    ax.bar([i + 0.2 for i in x], [predicted[k] * 1e3 for k in labels], width=0.4,
+           color=COLORS[1], label="alpha-beta model")
+    ax.set_xticks(list(x), labels, fontsize=9)
+    ax.set_ylabel("averaging the gradients (ms)")
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_step_times(medians: dict, world_size: int):
+    """Median step time of each strategy, measured side by side in one run."""
+    fig, ax = plt.subplots(figsize=(6.5, 2.6))
+    names = list(medians)
+    ax.barh(range(len(names)), [medians[n] * 1e3 for n in names],
+            color=[COLORS[i] for i in range(len(names))])
+    for y, name in enumerate(names):
+        ax.text(medians[name] * 1e3, y, f" {medians[name] * 1e3:.0f} ms", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"median step time on {world_size} ranks (ms)")
+    ax.set_xlim(0, max(medians.values()) * 1e3 * 1.2)
+    fig.tight_layout()
+    return fig
+
+
+def modelled_steps(grad_bytes, forward_s, backward_s, step_s, world_size, alpha, beta,
+                   bucket_bytes) -> dict:
+    """The model's step for the naive loop, DDP with one all_reduce per gradient (overlapped)
+    and DDP with buckets (bucketed), ready for plot_step_timelines (one lane pair: every rank
+    does the same)."""
+    cases = {"naive": ("naive", None), "overlapped": ("ddp", None),
+             f"bucketed ({bucket_bytes / 2**20:g} MiB)": ("ddp", bucket_bytes)}
+    runs = {}
+    for title, (strategy, bucket) in cases.items():
+        step = predict_step(grad_bytes, forward_s, backward_s, step_s, strategy, world_size,
+                            alpha, beta, bucket)
+        runs[title] = {"events": [step["events"]], "step_seconds": step["step_seconds"]}
+    return runs
+
+
+def key_figure():
+    """The lesson's key figure, from fixed inputs: the model's step for 16 gradients of 1 MiB,
+    30 ms of compute, alpha = 1 ms and beta = 1 GB/s on 4 ranks."""
+    runs = modelled_steps([2**20] * 16, 0.010, 0.020, 0.002, 4, 1e-3, 1e9, 4 * 2**20)
+    return plot_step_timelines(runs, what="alpha-beta model")
