@@ -158,7 +158,8 @@ def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
 
 def test_lesson_05_stepper_slider_redraws_the_ring(page):
     page, (base, token) = page
-    _run_all_cells(page, base, token, "05_how_all_reduce_works.ipynb", "[NOT YET] tree_reduce")
+    _run_all_cells(page, base, token, "05_how_all_reduce_works.ipynb",
+                   "[NOT YET] binomial_tree_reduce")
     cell = page.locator(".jp-CodeCell", has_text="widgets.ring_stepper(traces)").first
     drawing = _show(cell.locator(".widget-output img").first)
     before = drawing.get_attribute("src")

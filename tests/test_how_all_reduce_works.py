@@ -177,15 +177,28 @@ def ring_all_gather_wrong_piece(rank, world_size, piece, lengths):  # always sen
     return torch.cat(pieces)
 
 
-def tree_with_wrong_parent(rank, world_size, tensor):
+def heap_tree_reduce(rank, world_size, tensor):  # right sum, the shown tree, not a binomial one
     incoming = torch.empty_like(tensor)
     for child in (2 * rank + 1, 2 * rank + 2):
         if child < world_size:
             dist.recv(incoming, src=child)
             tensor += incoming
     if rank > 0:
-        dist.send(tensor, dst=rank // 2)  # should be (rank - 1) // 2
+        dist.send(tensor, dst=(rank - 1) // 2)
         return None
+    return tensor
+
+
+def binomial_without_adding(rank, world_size, tensor):  # forwards what arrives, keeps its own
+    incoming = torch.empty_like(tensor)
+    distance = 1
+    while distance < world_size:
+        if rank & distance:
+            dist.send(tensor, dst=rank - distance)
+            return None
+        if rank + distance < world_size:
+            dist.recv(incoming, src=rank + distance)
+        distance *= 2
     return tensor
 
 
@@ -215,7 +228,10 @@ def doubling_without_the_partners_sum(rank, world_size, data):  # adds its own d
      "called dist.all_gather()."),
     ("ring_all_gather", ring_all_gather_wrong_piece,
      "On 3 ranks:\nrank 1 died from signal SIGABRT"),
-    ("tree_reduce", tree_with_wrong_parent, "On 5 ranks"),
+    ("binomial_tree_reduce", heap_tree_reduce,
+     "in a binomial tree each rank sends once, to rank minus its lowest set bit: on 5 ranks, "
+     "rank 3 sent to [1], where the tree sends to [2]."),
+    ("binomial_tree_reduce", binomial_without_adding, "On 2 ranks, rank 0:"),
     ("recursive_doubling_all_reduce", all_reduce_by_ring,
      "On 2 ranks: recursive doubling sends log2 n times per rank: rank 0 sent 2 times on 2 ranks, "
      "where 1 is enough."),

@@ -4,9 +4,25 @@ import torch
 
 from helpers.exercises import Exercise
 from helpers.reference import seeded_randn
-from helpers.rules import POINT_TO_POINT, AtMostSends, Only, log2_ceil
+from helpers.rules import POINT_TO_POINT, AtMostSends, Only, Rule, log2_ceil, sends
 
 POINT_TO_POINT_ONLY = Only(*POINT_TO_POINT, text="use point-to-point calls only (no collectives)")
+
+
+class SendsTo(Rule):
+    """Each rank sends to exactly the ranks `peers(rank, world_size)`, in that order."""
+
+    def __init__(self, peers, text: str):
+        super().__init__(text)
+        self.peers = peers
+
+    def broken_by(self, logs, world_size, args=()):
+        for rank in range(world_size):
+            sent, wanted = sends(logs.get(rank, [])), self.peers(rank, world_size)
+            if sent != wanted:
+                return (f"{self.text}: on {world_size} ranks, rank {rank} sent to {sent}, where "
+                        f"the tree sends to {wanted}.")
+        return None
 
 
 def _pieces(rank, n, vector):
@@ -26,16 +42,19 @@ EXERCISES = {
         inputs=_pieces,
         rules=(POINT_TO_POINT_ONLY,
                AtMostSends(lambda rank, n: n - 1, text="a ring sends n - 1 pieces per rank"))),
-    "tree_reduce": Exercise(
-        "you get `tensor` = full((4,), rank + 1.0); sum it onto rank 0 along a binary tree "
-        "(rank p's children are 2p+1 and 2p+2) with send/recv; rank 0 returns the sum, the "
+    "binomial_tree_reduce": Exercise(
+        "you get `tensor` = full((4,), rank + 1.0); sum it onto rank 0 along a binomial tree, "
+        "with send and recv: in round k = 0, 1, ..., a rank whose lowest set bit is bit k sends "
+        "its partial sum to rank - 2**k and is done; a rank whose bits 0..k are all zero "
+        "receives from rank + 2**k, if that rank exists, and adds; rank 0 returns the sum, the "
         "others None",
-        [(2, ()), (5, ()), (7, ())],
+        [(2, ()), (5, ()), (7, ()), (8, ())],
         lambda rank, n: torch.full((4,), n * (n + 1) / 2) if rank == 0 else None,
         inputs=lambda rank, n: (torch.full((4,), rank + 1.0),),
         rules=(Only("send", "recv", text="use only send and recv"),
-               AtMostSends(lambda rank, n: 0 if rank == 0 else 1,
-                           text="on a tree each rank sends once, to its parent"))),
+               SendsTo(lambda rank, n: [] if rank == 0 else [rank - (rank & -rank)],
+                       text="in a binomial tree each rank sends once, to rank minus its lowest "
+                            "set bit"))),
     "recursive_doubling_all_reduce": Exercise(
         "on a power-of-two number of ranks, you get `data`; sum it across the ranks by recursive "
         "doubling with point-to-point calls: in step k = 0, 1, ..., exchange your partial sum "

@@ -16,15 +16,17 @@ def ring_all_gather(rank, world_size, piece, lengths):
     return torch.cat(pieces)
 
 
-def tree_reduce(rank, world_size, tensor):
+def binomial_tree_reduce(rank, world_size, tensor):
     incoming = torch.empty_like(tensor)
-    for child in (2 * rank + 1, 2 * rank + 2):
-        if child < world_size:
-            dist.recv(incoming, src=child)
+    distance = 1
+    while distance < world_size:
+        if rank & distance:  # bit k is this rank's lowest set bit: send and leave
+            dist.send(tensor, dst=rank - distance)
+            return None
+        if rank + distance < world_size:
+            dist.recv(incoming, src=rank + distance)
             tensor += incoming
-    if rank > 0:
-        dist.send(tensor, dst=(rank - 1) // 2)
-        return None
+        distance *= 2
     return tensor
 
 

@@ -13,14 +13,22 @@ def _two_level_seconds(size_bytes, nodes, gpus_per_node, intra_bandwidth, inter_
     return inside + across + inside
 
 
+def _whole_array(op, world_size, input_bytes):
+    """nccl-tests' S from one rank's input: all_gather's S is the gathered output, n inputs;
+    every other collective's S is its input (reduce_scatter's input is the whole array)."""
+    return input_bytes * world_size if op == "all_gather" else input_bytes
+
+
 EXERCISES = {
     "bus_bandwidth": Exercise(
-        "given op, world size n, size S in bytes and time t in seconds, return busbw in "
-        "bytes/s with nccl-tests' factors",
+        "given op, world size n, the bytes of the input tensor each rank passes to the call, and "
+        "the time t in seconds, return busbw in bytes/s with nccl-tests' factors; careful: "
+        "nccl-tests' S is the whole array, which is not always the input",
         [("all_reduce", 4, 2**26, 0.05), ("reduce_scatter", 8, 2**24, 0.01),
-         ("broadcast", 2, 2**20, 0.001), ("all_gather", 3, 3 * 2**20, 0.002),
+         ("broadcast", 2, 2**20, 0.001), ("all_gather", 3, 2**20, 0.002),
          ("all_to_all", 4, 2**22, 0.004), ("reduce", 6, 2**20, 0.003)],
-        lambda op, n, size, seconds: bandwidths(op, n, size, seconds)["busbw"],
+        lambda op, n, input_bytes, seconds: bandwidths(
+            op, n, _whole_array(op, n, input_bytes), seconds)["busbw"],
         distributed=False),
     "alpha_beta_from_two_points": Exercise(
         "given two measurements (size1, t1) and (size2, t2) of t = alpha + size / beta, "

@@ -3,7 +3,9 @@
 from helpers.measuring_communication.workers import BUSBW_FACTORS
 
 
-def bus_bandwidth(op, world_size, size_bytes, seconds):
+def bus_bandwidth(op, world_size, input_bytes, seconds):
+    # nccl-tests' S: all_gather's is its output, n inputs; the others' is their input
+    size_bytes = input_bytes * world_size if op == "all_gather" else input_bytes
     return size_bytes / seconds * BUSBW_FACTORS[op](world_size)
 
 
