@@ -207,9 +207,10 @@ class TrainingRun:
 
 
 def train(model: nn.Module, batches: list, loss_fn, optimizer: str = "adamw",
-          lr: float = 1e-2) -> TrainingRun:
+          lr: float = 1e-2, max_grad_norm: float | None = None) -> TrainingRun:
     """The single-process reference: one step per batch (forward, loss, backward, optimizer step)
-    on a copy of `model`, which is left as it was."""
+    on a copy of `model`, which is left as it was. `max_grad_norm`: clip the gradient to this
+    global norm before each step (torch.nn.utils.clip_grad_norm_)."""
     model = copy.deepcopy(model)
     opt = make_optimizer(optimizer, model.parameters(), lr)
     losses = []
@@ -217,6 +218,8 @@ def train(model: nn.Module, batches: list, loss_fn, optimizer: str = "adamw",
         opt.zero_grad()
         loss = loss_fn(model(batch.inputs), batch.targets)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         losses.append(loss.item())
     return TrainingRun(losses, parameters(model))
@@ -232,3 +235,59 @@ def gradients(model: nn.Module, batch: Batch, loss_fn) -> dict:
 def parameters(model: nn.Module) -> dict:
     """name -> a detached copy of every parameter (tied parameters appear once)."""
     return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+class _CastLinear(nn.Linear):
+    """An nn.Linear that computes in `compute_dtype`: weight, bias and input cast, output cast
+    back; autograd brings the gradients back to the float32 parameters."""
+
+    def forward(self, x):
+        dtype = self.compute_dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.weight.to(dtype), bias).to(x.dtype)
+
+
+class _CastEmbedding(nn.Embedding):
+    """An nn.Embedding that looks up in its table cast to `compute_dtype`; float32 output."""
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight.to(self.compute_dtype)).float()
+
+
+def with_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of `model` whose Linears and Embeddings compute in `dtype` (bfloat16, float16) while
+    their parameters stay float32: the single-process twin of mixed-precision sharded training.
+    Tied weights stay tied."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if type(module) in (nn.Linear, nn.Embedding):
+            module.__class__ = _CastLinear if type(module) is nn.Linear else _CastEmbedding
+            module.compute_dtype = dtype
+    return model
+
+
+def train_slices(model: nn.Module, batches: list, loss_fn, world_size: int,
+                 optimizer: str = "adamw", lr: float = 1e-2) -> TrainingRun:
+    """Data parallelism computed in one process: each step, every rank's slice of the batch goes
+    through one copy of the model, the slices' gradients are summed (in the parameters' float32)
+    and divided by `world_size`, then the optimizer steps. With float32 compute this is
+    train(); with a low-precision `model` (with_compute_dtype) each slice's gradient is rounded
+    as a rank's would be, which train() on the whole batch does not reproduce."""
+    model = copy.deepcopy(model)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        total = 0.0
+        for rank in range(world_size):
+            local = batch.shard(rank, world_size)
+            loss = loss_fn(model(local.inputs), local.targets)
+            loss.backward()
+            total += loss.item() / world_size
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad /= world_size
+        opt.step()
+        losses.append(total)
+    return TrainingRun(losses, parameters(model))
+

@@ -124,3 +124,29 @@ def test_tied_weights_are_one_parameter():
 def test_unknown_optimizer_names_the_known_ones():
     with pytest.raises(ValueError, match=r"choose one of \['adamw', 'sgd'\]"):
         reference.make_optimizer("adam", [], 0.1)
+
+
+def test_training_slices_in_float32_is_training_the_whole_batch():
+    model, batches = reference.make_lm(seed=0), reference.lm_data(seed=1, batch_size=8, steps=3)
+    whole = reference.train(model, batches, reference.lm_loss)
+    slices = reference.train_slices(model, batches, reference.lm_loss, world_size=4)
+    torch.testing.assert_close(slices.losses, whole.losses)
+    for name, param in whole.parameters.items():
+        torch.testing.assert_close(slices.parameters[name], param)
+
+
+def test_a_model_with_a_compute_dtype_keeps_float32_parameters_and_its_ties():
+    model = reference.make_lm(seed=0, tie_weights=True)
+    cast = reference.with_compute_dtype(model, torch.bfloat16)
+    assert cast.head.weight is cast.token_embedding.weight
+    assert all(param.dtype == torch.float32 for param in cast.parameters())
+    tokens = reference.lm_data(seed=1, batch_size=2)[0].inputs
+    x = torch.randn(3, 32)
+    linear = cast.blocks[0].attention.q
+    out = linear(x)
+    assert torch.equal(out, out.bfloat16().float())  # computed in bfloat16
+    exact = x.double() @ linear.weight.double().T + linear.bias.double()
+    torch.testing.assert_close(out.double(), exact, atol=0.02, rtol=0.02)  # to bfloat16's precision
+    logits = cast(tokens)
+    assert logits.dtype == torch.float32
+    assert not torch.equal(logits, model(tokens))  # rounded through bfloat16 on the way
