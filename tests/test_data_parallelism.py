@@ -466,3 +466,10 @@ def test_the_pictures_and_the_widget_draw():
     assert (forward, backward, step) == pytest.approx((0.0025, 0.005, 0.001))
     # a ring on 8 ranks takes 14 steps, on 2 ranks 2: seven times the latency
     assert widgets.ring_alpha(1e-3, 8) == pytest.approx(7e-3)
+
+
+def test_the_step_time_comparison_times_all_four_strategies():
+    medians = run(workers.step_times_worker, 2, args=(32, 2, 8, 0.001, 1), show_output=False)
+    assert medians[0] == medians[1]  # every rank reports the slowest rank's times
+    assert set(medians[0]) == set(workers.STRATEGIES)
+    assert all(seconds > 0 for seconds in medians[0].values())

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from helpers import reference
 from helpers.data_parallelism.ddp import DDP, average_gradients, bucket_indices
+from helpers.timing import timed_step
 
 LOSSES = {"mean": reference.mse_loss,
           "sum": lambda outputs, targets: F.mse_loss(outputs, targets, reduction="sum")}
@@ -210,16 +211,8 @@ def step_times_worker(rank, world_size, dim, layers, batch_size, bucket_mb, iter
     timings = {strategy: [] for strategy in STRATEGIES}
     for _ in range(iterations + 1):
         for strategy, (module, after_backward, optimizer) in contenders.items():
-            dist.barrier()
-            started = time.perf_counter()
-            optimizer.zero_grad()
-            reference.mse_loss(module(batch.inputs), batch.targets).backward()
-            if after_backward:
-                after_backward()
-            optimizer.step()
-            elapsed = torch.tensor([time.perf_counter() - started])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            timings[strategy].append(elapsed.item())
+            timings[strategy].append(timed_step(module, optimizer, reference.mse_loss,
+                                                batch.inputs, batch.targets, after_backward))
     # The first step of each is a warm-up (torch DDP rebuilds its buckets after it).
     return {strategy: statistics.median(values[1:]) for strategy, values in timings.items()}
 
