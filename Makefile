@@ -39,6 +39,7 @@ benchmark: setup
 	$(PY) benchmarks/launch.py
 	$(PY) benchmarks/ring.py
 	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/zero.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -131,9 +131,13 @@ class CallSizes(Rule):
             made = [entry.numel for entry in calls if entry.name == self.call]
             if made != wanted:
                 return (f"{self.text}: rank {rank}'s {self.call} calls held {made} elements "
-                        f"({len(made)} calls), where the task's rule gives {wanted} "
-                        f"({len(wanted)} calls).")
+                        f"({_calls(len(made))}), where the task's rule gives {wanted} "
+                        f"({_calls(len(wanted))}).")
         return None
+
+
+def _calls(count: int) -> str:
+    return f"{count} call" if count == 1 else f"{count} calls"
 
 
 class OffTheWorld(Rule):

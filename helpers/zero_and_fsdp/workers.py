@@ -1,0 +1,252 @@
+"""Lesson 07's workers: the ZeRO stages by hand and PyTorch's, trained on the course's reference
+models and checked against single-process AdamW; the bytes each rank holds and sends; step times.
+
+Stage 0 is lesson 06's data parallelism (the naive loop), 1 and 2 `ShardedOptimizer`, 3 `FSDP`.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from helpers import reference
+from helpers.data_parallelism.ddp import average_gradients
+from helpers.timing import timed_step
+from helpers.zero_and_fsdp.fsdp import FSDP
+from helpers.zero_and_fsdp.memory import held_bytes
+from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
+from helpers.zero_and_fsdp.sharding import CommCounter
+
+# The course's optimizers (reference.make_optimizer), as a class and its settings, for the
+# ShardedOptimizer, which builds its own inner optimizer.
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"weight_decay": 0.01}),
+              "sgd": (torch.optim.SGD, {"momentum": 0.9})}
+ADAMW = {"lr": 1e-2, "weight_decay": 0.01}
+STAGES = (0, 1, 2, 3)
+TORCH_KINDS = ("ZeroRedundancyOptimizer", "fully_shard")
+
+
+class Trainer:
+    """One rank's model and optimizer for a ZeRO `stage`, with the one call that differs between
+    stages (`after_backward`) and the full parameters at the end (`full_parameters`)."""
+
+    def __init__(self, model: nn.Module, stage: int, compute_dtype=None, optimizer="adamw",
+                 lr=1e-2, units=None, max_grad_norm=None):
+        self.stage, self.max_grad_norm = stage, max_grad_norm
+        optimizer_cls, settings = OPTIMIZERS[optimizer]
+        if stage == 3:  # units: the name of the model's list of blocks, to shard one piece each
+            self.module = FSDP(model, compute_dtype=compute_dtype,
+                               units=getattr(model, units) if units else None)
+            self.optimizer = optimizer_cls(self.module.parameters(), lr=lr, **settings)
+        else:
+            self.module = model
+            if stage == 0:
+                self.optimizer = optimizer_cls(model.parameters(), lr=lr, **settings)
+            else:
+                self.optimizer = ShardedOptimizer(model.parameters(), optimizer_cls,
+                                                  gradient_sharding=stage == 2, lr=lr,
+                                                  max_grad_norm=max_grad_norm, **settings)
+
+    def after_backward(self):
+        if self.stage == 0:
+            average_gradients(self.module)  # the all-reduce of data parallelism
+            if self.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        elif self.stage == 3:
+            self.module.finish_gradient_synchronization()
+            if self.max_grad_norm is not None:
+                self.module.clip_grad_norm_(self.max_grad_norm)
+        # stages 1 and 2: the ShardedOptimizer communicates (and clips) in step(), and stage 2
+        # also in backward
+
+    def full_parameters(self) -> dict:
+        if self.stage == 3:
+            return self.module.gather_full_params()
+        return reference.parameters(self.module)
+
+
+def training_worker(rank, world_size, stage, model, batches, loss="lm", compute_dtype=None,
+                    optimizer="adamw", lr=1e-2, units=None, max_grad_norm=None):
+    """Train a copy of `model` with ZeRO `stage` on this rank's slice of every batch. Returns the
+    full parameters after the last step."""
+    loss_fn = reference.lm_loss if loss == "lm" else reference.mse_loss
+    trainer = Trainer(copy.deepcopy(model), stage, compute_dtype, optimizer, lr, units,
+                      max_grad_norm)
+    for batch in batches:
+        local = batch.shard(rank, world_size)
+        trainer.optimizer.zero_grad()
+        loss_fn(trainer.module(local.inputs), local.targets).backward()
+        trainer.after_backward()
+        trainer.optimizer.step()
+    return trainer.full_parameters()
+
+
+def param_groups_worker(rank, world_size, gradient_sharding):
+    """ShardedOptimizer with two param groups (different lr and weight decay) and a frozen
+    weight, against torch.optim.AdamW with the same groups on one process (the whole batch).
+    Returns both models' parameters and whether the frozen weight stayed as it was."""
+    model = reference.make_mlp(dim=8, num_layers=3, seed=2, bias=True)
+    model.layers[1].weight.requires_grad_(False)
+    alone = copy.deepcopy(model)
+    batches = reference.mlp_data(seed=4, batch_size=12, dim=8, steps=5)
+
+    def groups(m):
+        return [{"params": [m.layers[0].weight, m.layers[0].bias], "lr": 0.05},
+                {"params": [p for p in m.layers[1:].parameters() if p.requires_grad],
+                 "weight_decay": 0.1}]
+
+    sharded = ShardedOptimizer(groups(model), torch.optim.AdamW,
+                               gradient_sharding=gradient_sharding, lr=1e-2, weight_decay=0.0)
+    reference_optimizer = torch.optim.AdamW(groups(alone), lr=1e-2, weight_decay=0.0)
+    frozen = model.layers[1].weight.detach().clone()
+    for batch in batches:
+        sharded.zero_grad()
+        local = batch.shard(rank, world_size)
+        reference.mse_loss(model(local.inputs), local.targets).backward()
+        sharded.step()
+        reference_optimizer.zero_grad()
+        reference.mse_loss(alone(batch.inputs), batch.targets).backward()
+        reference_optimizer.step()
+    return {"sharded": reference.parameters(model), "alone": reference.parameters(alone),
+            "frozen unchanged": torch.equal(model.layers[1].weight, frozen)}
+
+
+def memory_worker(rank, world_size, stage, model, batches, loss="lm"):
+    """Two training steps with ZeRO `stage`. At the end of the second backward (the gradients
+    complete, the optimizer state allocated), the bytes this rank holds (memory.held_bytes);
+    the bytes it sent during that step, by collective; and, stage 3, the most bytes of gathered
+    weights alive at once."""
+    loss_fn = reference.lm_loss if loss == "lm" else reference.mse_loss
+    trainer = Trainer(copy.deepcopy(model), stage)
+    for step, batch in enumerate(batches[:2]):
+        local = batch.shard(rank, world_size)
+        trainer.optimizer.zero_grad()
+        with CommCounter() as sent:
+            loss_fn(trainer.module(local.inputs), local.targets).backward()
+            trainer.after_backward()
+            if step == 1:
+                held = held_bytes(trainer.module, trainer.optimizer)
+            trainer.optimizer.step()
+    gathered = trainer.module.gathered.peak if stage == 3 else 0
+    return {"held": held, "sent": dict(sent.sent), "calls": dict(sent.calls),
+            "gathered peak": gathered}
+
+
+def _torch_model(kind, model, unit="block"):
+    """`model` wrapped as PyTorch's own ZeRO: DDP with ZeroRedundancyOptimizer (stage 1), or
+    fully_shard (FSDP2, stage 3) on every `unit` and then on the whole model. unit="block": each
+    transformer block (or MLP layer), as fully_shard's documentation wraps a transformer;
+    unit="layer": each Linear and Embedding, the units of the hand-built FSDP."""
+    if kind == "ZeroRedundancyOptimizer":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+    if kind == "fully_shard":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        if unit == "block":
+            units = [[block] for block in getattr(model, "blocks", getattr(model, "layers", []))]
+        else:  # layers that share a weight (tied) must be one group
+            groups = {}
+            for module in model.modules():
+                if type(module) in (nn.Linear, nn.Embedding):
+                    groups.setdefault(id(module.weight), []).append(module)
+            units = list(groups.values())
+        for modules in units:
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)  # whatever is left (norms), tied weights included
+        return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+    raise ValueError(f"unknown kind {kind!r}; choose one of {TORCH_KINDS}")
+
+
+def fully_shard_recipe_worker(rank, world_size, model_kwargs, full_state, batches,
+                              max_grad_norm=1.0):
+    """fully_shard as a model too large for one device needs it: built on the meta device (no
+    memory), sharded, then given memory for this rank's pieces only, filled from rank 0's full
+    state dict (broadcast, piece by piece); trained with AdamW and gradient clipping; its full
+    state dict gathered to rank 0's CPU at the end (torch.distributed.checkpoint's state-dict
+    helpers). Returns that state dict on rank 0, None elsewhere."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):  # shapes only: no rank ever holds the whole model
+        model = reference.TinyLM(**model_kwargs)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")  # memory for this rank's pieces
+    set_model_state_dict(model, full_state if rank == 0 else {}, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)  # after sharding: on the pieces
+    for batch in batches:
+        local = batch.shard(rank, world_size)
+        optimizer.zero_grad()
+        reference.lm_loss(model(local.inputs), local.targets).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the global norm
+        optimizer.step()
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                  cpu_offload=True))
+    return state if rank == 0 else None
+
+
+def torch_training_worker(rank, world_size, kind, model, batches):
+    """Train a copy of `model` with PyTorch's ZeRO `kind` (TORCH_KINDS). Returns the full
+    parameters after the last step."""
+    model = copy.deepcopy(model)
+    module, optimizer = _torch_model(kind, model)
+    for batch in batches:
+        local = batch.shard(rank, world_size)
+        optimizer.zero_grad()
+        reference.lm_loss(module(local.inputs), local.targets).backward()
+        optimizer.step()
+    return {name: param.full_tensor() if hasattr(param, "full_tensor") else param.detach().clone()
+            for name, param in model.named_parameters()}
+
+
+CONTENDERS = ("hand-built per layer", "fully_shard per layer", "hand-built per block",
+              "fully_shard per block")
+
+
+def step_times_worker(rank, world_size, model, batch, iterations):
+    """The hand-built ZeRO-3 and fully_shard, each with every Linear and Embedding its own unit
+    and with whole blocks as units, each on its own copy of `model`, taking turns; every step
+    starts after a barrier and lasts as long as the slowest rank. Returns the median step time
+    of each (s) and the bytes of parameters, gradients and optimizer state each holds
+    (memory.held_bytes)."""
+    local = batch.shard(rank, world_size)
+    contenders = {}
+    for unit in ("layer", "block"):
+        hand = Trainer(copy.deepcopy(model), 3, units="blocks" if unit == "block" else None)
+        contenders[f"hand-built per {unit}"] = (hand.module, hand.optimizer, hand.after_backward)
+        contenders[f"fully_shard per {unit}"] = (
+            *_torch_model("fully_shard", copy.deepcopy(model), unit), None)
+    timings = {name: [] for name in contenders}
+    held = {}
+    with warnings.catch_warnings():
+        # fully_shard on a single Linear warns that its output (a view, for 3-D inputs) must not
+        # be changed in place; these models never do
+        warnings.filterwarnings("ignore", message=".*returned a view tensor")
+        for round_ in range(iterations + 2):  # round 0 warms up; the last, untimed, counts bytes
+            for name, (module, optimizer, after_backward) in contenders.items():
+                count_bytes = None
+                if round_ == iterations + 1:
+                    def count_bytes(name=name, module=module, optimizer=optimizer):
+                        held[name] = held_bytes(module, optimizer)
+                timings[name].append(timed_step(module, optimizer, reference.lm_loss,
+                                                local.inputs, local.targets, after_backward,
+                                                before_step=count_bytes))
+    return {name: statistics.median(values[1:-1]) for name, values in timings.items()}, held
