@@ -10,12 +10,19 @@ larger collectives; the hand-built one then recomputes each block's forward in i
 They take turns, step after step; each step starts after a barrier and lasts as long as the
 slowest rank. Prints the median step time of each, the ratios of hand-built to fully_shard with
 the same units, and the bytes of parameters, gradients and optimizer state each rank holds.
+Then stage 1 the same way: the hand-built ShardedOptimizer against DDP with
+ZeroRedundancyOptimizer.
 """
 
 import argparse
 
 from helpers import reference, run
-from helpers.zero_and_fsdp.workers import CONTENDERS, step_times_worker
+from helpers.zero_and_fsdp.workers import (
+    CONTENDERS,
+    STAGE_1_CONTENDERS,
+    stage_1_times_worker,
+    step_times_worker,
+)
 
 
 def main():
@@ -49,6 +56,17 @@ def main():
         print(f"{world_size:>5} | {times} | {ratios[0]:>8.2f}x {ratios[1]:>8.2f}x | "
               f"{state['hand-built per block']:,} / {state['fully_shard per block']:,}",
               flush=True)
+    print(f"\nstage 1\n{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>28}"
+                                                  for name in STAGE_1_CONTENDERS)
+          + f" | {'hand / torch':>12} | state bytes per rank (hand / torch)")
+    for world_size in options.world_sizes:
+        medians, held = run(stage_1_times_worker, world_size,
+                            args=(model, batch, options.iterations), show_output=False,
+                            timeout=600)[0]
+        hand, torch_zero = (medians[name] for name in STAGE_1_CONTENDERS)
+        state = [sum(held[name].values()) for name in STAGE_1_CONTENDERS]
+        print(f"{world_size:>5} | {hand * 1e3:>28.1f} {torch_zero * 1e3:>28.1f} | "
+              f"{hand / torch_zero:>11.2f}x | {state[0]:,} / {state[1]:,}", flush=True)
 
 
 if __name__ == "__main__":

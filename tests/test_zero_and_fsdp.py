@@ -469,3 +469,18 @@ def test_the_fully_shard_recipe_trains_like_one_process():
     assert list(out[0]) == list(model.state_dict())
     for name, param in single.parameters.items():
         torch.testing.assert_close(out[0][name], param, msg=name)
+
+
+def test_stage_1_times_and_bytes_against_zero_redundancy_optimizer():
+    model, batches = lm_and_batches(tie_weights=False)
+    medians, held = run(workers.stage_1_times_worker, 2, args=(model, batches[0], 1),
+                        show_output=False)[0]
+    assert set(medians) == set(workers.STAGE_1_CONTENDERS)
+    parameters = sum(param.numel() for param in model.parameters())
+    hand = held["hand-built ZeRO-1"]
+    assert hand["weights"] == hand["gradients"] == 4 * parameters  # whole, on every rank
+    # ZeroRedundancyOptimizer gives each rank whole parameters: about half the state, not half
+    # of every tensor; both hold the whole weights and gradients
+    torch_zero = held["ZeroRedundancyOptimizer"]
+    assert torch_zero["weights"] == 4 * parameters
+    assert 0 < torch_zero["optimizer"] < 8 * parameters

@@ -51,8 +51,8 @@ def largest_model(memory_bytes: float, world_size: int, stage: int,
 def held_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The bytes this rank actually holds, counted from the tensors' storages (each storage
     once; of a DTensor, its local piece): the module's parameters, their gradients (and a
-    ShardedOptimizer's gradient pieces), and every tensor in the optimizer's state (a
-    ShardedOptimizer's inner optimizer's)."""
+    ShardedOptimizer's gradient pieces), and every tensor in the optimizer's state (that of a
+    ShardedOptimizer's inner optimizer, or of ZeroRedundancyOptimizer's local one)."""
     seen = set()
 
     def size(tensors) -> int:
@@ -69,7 +69,8 @@ def held_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
         return total
 
     params = list(module.parameters())
-    inner = getattr(optimizer, "inner", optimizer)
+    # ShardedOptimizer keeps its state in .inner, ZeroRedundancyOptimizer in .optim
+    inner = getattr(optimizer, "inner", getattr(optimizer, "optim", optimizer))
     pieces = list(getattr(optimizer, "pieces", {}).values())
     return {
         "weights": size(params),

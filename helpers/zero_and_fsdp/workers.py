@@ -217,6 +217,21 @@ def torch_training_worker(rank, world_size, kind, model, batches):
             for name, param in model.named_parameters()}
 
 
+STAGE_1_CONTENDERS = ("hand-built ZeRO-1", "ZeroRedundancyOptimizer")
+
+
+def stage_1_times_worker(rank, world_size, model, batch, iterations):
+    """The hand-built ZeRO-1 (ShardedOptimizer) and DDP with ZeroRedundancyOptimizer, each on its
+    own copy of `model`, taking turns as in step_times_worker. Returns the median step time of
+    each (s) and the bytes each holds."""
+    local = batch.shard(rank, world_size)
+    hand = Trainer(copy.deepcopy(model), 1)
+    contenders = {"hand-built ZeRO-1": (hand.module, hand.optimizer, None),
+                  "ZeroRedundancyOptimizer": (
+                      *_torch_model("ZeroRedundancyOptimizer", copy.deepcopy(model)), None)}
+    return _take_turns(contenders, local, iterations)
+
+
 CONTENDERS = ("hand-built per layer", "fully_shard per layer", "hand-built per block",
               "fully_shard per block")
 
@@ -234,19 +249,25 @@ def step_times_worker(rank, world_size, model, batch, iterations):
         contenders[f"hand-built per {unit}"] = (hand.module, hand.optimizer, hand.after_backward)
         contenders[f"fully_shard per {unit}"] = (
             *_torch_model("fully_shard", copy.deepcopy(model), unit), None)
-    timings = {name: [] for name in contenders}
-    held = {}
     with warnings.catch_warnings():
         # fully_shard on a single Linear warns that its output (a view, for 3-D inputs) must not
         # be changed in place; these models never do
         warnings.filterwarnings("ignore", message=".*returned a view tensor")
-        for round_ in range(iterations + 2):  # round 0 warms up; the last, untimed, counts bytes
-            for name, (module, optimizer, after_backward) in contenders.items():
-                count_bytes = None
-                if round_ == iterations + 1:
-                    def count_bytes(name=name, module=module, optimizer=optimizer):
-                        held[name] = held_bytes(module, optimizer)
-                timings[name].append(timed_step(module, optimizer, reference.lm_loss,
-                                                local.inputs, local.targets, after_backward,
-                                                before_step=count_bytes))
+        return _take_turns(contenders, local, iterations)
+
+
+def _take_turns(contenders: dict, local, iterations: int):
+    """Train each contender, {name: (module, optimizer, after_backward)}, one step after the
+    other. Returns each one's median step time and the bytes it holds."""
+    timings = {name: [] for name in contenders}
+    held = {}
+    for round_ in range(iterations + 2):  # round 0 warms up; the last, untimed, counts bytes
+        for name, (module, optimizer, after_backward) in contenders.items():
+            count_bytes = None
+            if round_ == iterations + 1:
+                def count_bytes(name=name, module=module, optimizer=optimizer):
+                    held[name] = held_bytes(module, optimizer)
+            timings[name].append(timed_step(module, optimizer, reference.lm_loss, local.inputs,
+                                            local.targets, after_backward,
+                                            before_step=count_bytes))
     return {name: statistics.median(values[1:-1]) for name, values in timings.items()}, held
