@@ -8,6 +8,7 @@ same in the kernel and in any rank:
     seeded_randn(seed, *shape)              the course's one way to draw random numbers
     make_mlp(dim, num_layers, seed)         the lecture's GELU MLP stack (CS336 lecture 8)
     make_lm(vocab, dim, heads, layers, ...) a tiny pre-norm transformer language model
+    make_block(dim, heads, seed)            one of its blocks
     mlp_data(...), lm_data(...)             seeded batches, one per training step
     train(model, batches, loss_fn, ...)     the single-process reference: losses and parameters
     gradients(model, batch, loss_fn)        one forward and backward: every parameter's gradient
@@ -107,6 +108,11 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.attention(self.norm1(x))
         return x + self.feed_forward(self.norm2(x))
+
+
+def make_block(dim: int = 32, heads: int = 4, seed: int = 0) -> Block:
+    """A Block whose weights depend only on `seed`."""
+    return _seeded(seed, lambda: Block(dim, heads))
 
 
 class TinyLM(nn.Module):

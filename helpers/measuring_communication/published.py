@@ -1,4 +1,5 @@
-"""Figures published elsewhere that lesson 04 sets beside its measurements. None is measured here.
+"""Figures published elsewhere that lessons 04 and 08 set beside their measurements. None is
+measured here.
 
 Every number is copied exactly from the file named, at the commit named, of S. Bekman's "Machine
 Learning Engineering Open Book" (github.com/stas00/ml-engineering). Its units: 1 KiB = 2**10
@@ -17,6 +18,12 @@ PUBLISHED_LINKS = [
     ("NVLink 3 (A100)", 300e9, "network/README.md, NVLink table: 300 GBps uni-dir., 600 duplex"),
     ("NVLink 4 (H100, H200)", 450e9,
      "network/README.md, NVLink table: 450 GBps uni-dir., 900 duplex"),
+]
+
+# Peak dense matrix throughput, in floating-point operations per second: (label, FLOP/s, where).
+PUBLISHED_FLOPS = [
+    ("NVIDIA H100 SXM, bf16", 989e12,
+     "compute/accelerator/README.md, TFLOPS comparison table: 989 (bf16, without sparsity)"),
 ]
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30

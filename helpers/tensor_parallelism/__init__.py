@@ -1,0 +1,11 @@
+"""Lesson 08, tensor and sequence parallelism: notebooks/08_tensor_parallelism.ipynb.
+
+lecture: CS336 lecture 8's tensor-parallel forward, run as it is, and rebuilt from slices of one
+weight. megatron: the conjugate operators f and g, ColumnParallelLinear, RowParallelLinear and a
+tensor-parallel transformer block, with sequence parallelism. memory: the activations a rank
+keeps for backward, measured and by formula. workers: run in the ranks (torch only). plots and
+widgets: drawn in the kernel. exercises: the checked exercises; solutions: their reference
+solutions.
+"""
+
+NOTEBOOK = "08_tensor_parallelism.ipynb"
