@@ -51,8 +51,6 @@ START_METHODS = ("forkserver", "spawn")
 # After the first failure, how long the other ranks get to report their own errors (they usually
 # fail a moment later with "Connection closed by peer") before they are stopped.
 ERROR_GRACE_S = 1.0
-# The longest the kernel waits on the ranks without looking at Ctrl-C (see _collect).
-WAKE_S = 0.25
 # gloo's full-mesh connect sometimes fails with "Connection closed by peer" while the ranks join
 # (2 launches in 500 here). It happens before any worker code runs on that rank, so the launch is
 # simply made again, at once; a join that keeps failing is reported like any other error.
@@ -329,9 +327,7 @@ def _collect(processes, connections, deadline):
             break
         waitables = list(pending) + [sentinel for sentinel, r in sentinel_rank.items()
                                      if connections[r] in pending]
-        # At most WAKE_S at a time: a SIGINT that the kernel hands to another thread of this
-        # process only sets a flag, which the main thread reads when it returns from the wait.
-        for ready in multiprocessing.connection.wait(waitables, timeout=min(limit - now, WAKE_S)):
+        for ready in multiprocessing.connection.wait(waitables, timeout=limit - now):
             rank = pending.get(ready, sentinel_rank.get(ready))
             connection = connections[rank]
             if connection not in pending:
