@@ -15,22 +15,23 @@ PART_NAMES = {"outside": "outside the parallel regions", "inside": "inside them"
               "statistics": "LayerNorm and softmax statistics"}
 
 
-def plot_outputs(outputs: dict, world_size: int):
-    """Each output (batch x num_dim), {title: tensor}, as an image, with the ranks' column
-    blocks marked: the lecture's repeats one block n times."""
-    fig, axes = plt.subplots(1, len(outputs), figsize=(3.3 * len(outputs), 2.6), squeeze=False)
-    limit = max(float(out.abs().max()) for out in outputs.values())
+def plot_outputs(outputs: dict, world_size: int, every: int = 1):
+    """Each output (batch x num_dim, or every `every`-th feature of it), {title: tensor}, as an
+    image, with the ranks' column blocks marked: the lecture's repeats one block n times."""
+    fig, axes = plt.subplots(1, len(outputs), figsize=(3.5 * len(outputs), 2.7), squeeze=False)
     for ax, (title, out) in zip(axes[0], outputs.items()):
+        limit = float(out.abs().max())  # each its own scale: the lecture's values are larger
         image = ax.imshow(out.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+        fig.colorbar(image, ax=ax, shrink=0.8)
         width = out.shape[1] // world_size
         for rank in range(world_size):
             ax.add_patch(Rectangle((rank * width - 0.5, -0.5), width, out.shape[0],
                                    fill=False, edgecolor=color(rank), linewidth=3))
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("feature (a box per rank's block)", fontsize=8)
+        ax.set_xlabel(f"feature / {every} (a box per rank's block)", fontsize=8)
         ax.set_yticks([])
     axes[0, 0].set_ylabel("example")
-    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
+    fig.tight_layout()
     return fig
 
 
