@@ -117,6 +117,23 @@ def sends(calls) -> list:
     return peers
 
 
+class SendsTo(Rule):
+    """Each rank sends to exactly the ranks `peers(rank, world_size)`, in that order. `who` names
+    what the rule describes in the message ("the tree sends to ...")."""
+
+    def __init__(self, peers, text: str, who: str = "the task"):
+        super().__init__(text)
+        self.peers, self.who = peers, who
+
+    def broken_by(self, logs, world_size, args=()):
+        for rank in range(world_size):
+            sent, wanted = sends(logs.get(rank, [])), self.peers(rank, world_size)
+            if sent != wanted:
+                return (f"{self.text}: on {world_size} ranks, rank {rank} sent to {sent}, where "
+                        f"{self.who} sends to {wanted}.")
+        return None
+
+
 class CallSizes(Rule):
     """Each rank's calls of `call`, in order, pass tensors of exactly `sizes(world_size, *args)`
     elements: so many calls, each of the size the task's rule gives."""

@@ -4,25 +4,9 @@ import torch
 
 from helpers.exercises import Exercise
 from helpers.reference import seeded_randn
-from helpers.rules import POINT_TO_POINT, AtMostSends, Only, Rule, log2_ceil, sends
+from helpers.rules import POINT_TO_POINT, AtMostSends, Only, SendsTo, log2_ceil
 
 POINT_TO_POINT_ONLY = Only(*POINT_TO_POINT, text="use point-to-point calls only (no collectives)")
-
-
-class SendsTo(Rule):
-    """Each rank sends to exactly the ranks `peers(rank, world_size)`, in that order."""
-
-    def __init__(self, peers, text: str):
-        super().__init__(text)
-        self.peers = peers
-
-    def broken_by(self, logs, world_size, args=()):
-        for rank in range(world_size):
-            sent, wanted = sends(logs.get(rank, [])), self.peers(rank, world_size)
-            if sent != wanted:
-                return (f"{self.text}: on {world_size} ranks, rank {rank} sent to {sent}, where "
-                        f"the tree sends to {wanted}.")
-        return None
 
 
 def _pieces(rank, n, vector):
@@ -54,7 +38,7 @@ EXERCISES = {
         rules=(Only("send", "recv", text="use only send and recv"),
                SendsTo(lambda rank, n: [] if rank == 0 else [rank - (rank & -rank)],
                        text="in a binomial tree each rank sends once, to rank minus its lowest "
-                            "set bit"))),
+                            "set bit", who="the tree"))),
     "recursive_doubling_all_reduce": Exercise(
         "on a power-of-two number of ranks, you get `data`; sum it across the ranks by recursive "
         "doubling with point-to-point calls: in step k = 0, 1, ..., exchange your partial sum "
