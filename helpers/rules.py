@@ -118,8 +118,8 @@ def sends(calls) -> list:
 
 
 class SendsTo(Rule):
-    """Each rank sends to exactly the ranks `peers(rank, world_size)`, in that order. `who` names
-    what the rule describes in the message ("the tree sends to ...")."""
+    """Each rank sends to exactly the ranks `peers(rank, world_size, *args)` (args: the case's),
+    in that order. `who` names what the rule describes in the message ("the tree sends to")."""
 
     def __init__(self, peers, text: str, who: str = "the task"):
         super().__init__(text)
@@ -127,7 +127,7 @@ class SendsTo(Rule):
 
     def broken_by(self, logs, world_size, args=()):
         for rank in range(world_size):
-            sent, wanted = sends(logs.get(rank, [])), self.peers(rank, world_size)
+            sent, wanted = sends(logs.get(rank, [])), self.peers(rank, world_size, *args)
             if sent != wanted:
                 return (f"{self.text}: on {world_size} ranks, rank {rank} sent to {sent}, where "
                         f"{self.who} sends to {wanted}.")

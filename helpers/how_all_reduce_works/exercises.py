@@ -36,7 +36,7 @@ EXERCISES = {
         lambda rank, n: torch.full((4,), n * (n + 1) / 2) if rank == 0 else None,
         inputs=lambda rank, n: (torch.full((4,), rank + 1.0),),
         rules=(Only("send", "recv", text="use only send and recv"),
-               SendsTo(lambda rank, n: [] if rank == 0 else [rank - (rank & -rank)],
+               SendsTo(lambda rank, n, *args: [] if rank == 0 else [rank - (rank & -rank)],
                        text="in a binomial tree each rank sends once, to rank minus its lowest "
                             "set bit", who="the tree"))),
     "recursive_doubling_all_reduce": Exercise(
