@@ -12,7 +12,7 @@ import torch
 from checker import expect_rejection
 from torch import nn
 
-from helpers import WorkerError, reference, run, spawn
+from helpers import WorkerError, exercises, reference, run, spawn
 from helpers.pipeline_parallelism import ideal, lecture, plots, schedule, stages, widgets, workers
 from helpers.tensor_parallelism.memory import saved_activations, saved_bytes
 
@@ -119,9 +119,10 @@ def test_the_ideal_schedules_match_the_bubble_formula_and_zb_beats_them(p, m):
     assert bubbles["1f1b"] == pytest.approx((p - 1) / (m + p - 1))
     assert bubbles["zb"] < bubbles["1f1b"]
     kept = {name: [max(e.stored_bytes for e in rank) for rank in ideal.simulate(name, p, m)]
-            for name in ("gpipe", "1f1b")}
+            for name in schedule.SCHEDULES}
     assert kept["gpipe"] == [m] * p
     assert kept["1f1b"] == [min(p - rank, m) for rank in range(p)]
+    assert kept["zb"] == kept["1f1b"]  # its put-off W's never keep more micro-batches
 
 
 def test_the_1f1b_order_runs_every_forward_before_its_backward():
@@ -237,6 +238,8 @@ def backward_without_dividing_by_m(rank, world_size, weight, micro_batches, num_
     ("pipeline_forward", forward_broadcasting_the_activations,
      "each rank but the last sends each micro-batch's activations to rank + 1, once"),
     ("pipeline_backward", backward_without_dividing_by_m, "On 2 ranks, rank 0:"),
+    ("one_f_one_b_step", exercises.solution("pipeline_backward"),
+     "send in 1F1B's order: each forward's activations to rank + 1"),
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)

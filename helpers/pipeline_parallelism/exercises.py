@@ -52,6 +52,20 @@ ORDER_CASES = [(0, 4, 8), (3, 4, 8), (1, 4, 8), (0, 4, 2), (2, 4, 2), (0, 2, 1),
                (0, 1, 3)]
 
 
+def _one_f_one_b_sends(rank, world_size, seed, batch, m, width):
+    """Where a rank's sends go, in 1F1B's order: each F sends forward, each B back."""
+    peers = []
+    for kind, _ in schedule_order("1f1b", rank, world_size, m):
+        if kind == "F" and rank < world_size - 1:
+            peers.append(rank + 1)
+        elif kind == "B" and rank > 0:
+            peers.append(rank - 1)
+    return peers
+
+
+ONE_F_ONE_B_CASES = PIPELINE_CASES + [(4, (4, 12, 6, 3)), (3, (5, 10, 5, 2))]
+
+
 EXERCISES = {
     "one_f_one_b_order": Exercise(
         "return the order in which rank `rank` of `num_stages` runs its forwards and backwards "
@@ -92,4 +106,21 @@ EXERCISES = {
                        text="each rank sends each micro-batch's activations forward once (all "
                             "forwards first), then each gradient back once",
                        who="the pipeline"))),
+    "one_f_one_b_step": Exercise(
+        "the same forward and backward, in 1F1B's order instead of GPipe's: rank r runs "
+        "min(p - r - 1, m) forwards, then one forward and one backward in turn while forwards "
+        "remain, then the remaining backwards (the order one_f_one_b_order returns); a forward "
+        "of micro-batch i receives from rank - 1 and sends to rank + 1, a backward of i "
+        "receives its outputs' gradient from rank + 1 (the last rank starts from its loss) and "
+        "sends its inputs' gradient to rank - 1; return the gradient of your `weight`. In the "
+        "steady phase neighbours send to each other at the same moment: a send that waits for "
+        "its receive can deadlock, so send with isend and wait for it later",
+        ONE_F_ONE_B_CASES, _backward_expected,
+        inputs=lambda rank, n, *case: _inputs(rank, n, *case),
+        timeout=20,
+        rules=(Only(*POINT_TO_POINT, text="use point-to-point calls only (no collectives)"),
+               SendsTo(_one_f_one_b_sends,
+                       text="send in 1F1B's order: each forward's activations to rank + 1, "
+                            "each backward's gradient to rank - 1",
+                       who="1F1B"))),
 }

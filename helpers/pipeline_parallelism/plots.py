@@ -47,8 +47,9 @@ def plot_gantt(runs: dict, unit: str = "ms"):
 
 def plot_ideal(num_stages: int, num_micro_batches: int, schedules=("gpipe", "1f1b", "zb")):
     """Each schedule with ideal times: a forward takes 1, a backward 2 (zb: B 1 and W 1)."""
-    return plot_gantt({f"{name}, p = {num_stages}, m = {num_micro_batches}, ideal times "
-                       f"(formula {100 * bubble_formula(num_stages, num_micro_batches):.0f} %)":
+    formula = f"{100 * bubble_formula(num_stages, num_micro_batches):.0f} %"
+    return plot_gantt({f"{name}, p = {num_stages}, m = {num_micro_batches}, ideal times"
+                       + ("" if name == "zb" else f" (formula {formula})"):
                        (simulate(name, num_stages, num_micro_batches), 0.0)
                        for name in schedules}, unit="units")
 

@@ -9,19 +9,24 @@ own stage; the gradients of the whole batch's mean loss are left in the stages' 
 
 Schedules (the order in which a rank runs its forwards F and backwards B):
     gpipe   all m forwards, then all m backwards (Huang et al., "GPipe", 2019). A rank keeps the
-            activations of all m micro-batches at once.
+            activations of all m micro-batches at once (GPipe itself recomputes them in backward
+            and keeps only each micro-batch's stage input; this code does not recompute).
     1f1b    p - r - 1 forwards to fill the pipeline, then one forward and one backward in turn,
             then the remaining backwards (Narayanan et al., "PipeDream", 2019; the
-            "PipeDream-Flush" schedule of Narayanan et al. 2021, §2.2). At most p - r micro-batches'
-            activations at once; the same bubble as GPipe.
+            "PipeDream-Flush" schedule of Narayanan et al., "Efficient Large-Scale Language Model
+            Training on GPU Clusters Using Megatron-LM", 2021, §2.2). At most p - r
+            micro-batches' activations at once; the same bubble as GPipe.
     zb      1f1b's order, but each backward B computes only the gradient of its input (which the
             previous rank waits for), and the gradient of the weights, W, is put off: it runs
-            while the rank would otherwise wait for a message, or at the end (after Qi et al.,
-            "Zero Bubble Pipeline Parallelism", 2023, which schedule W statically; this one fills
-            the waits greedily). Its stages must be nn.Sequential: W needs each layer's own
-            input and output gradient.
+            while the rank would otherwise wait for a message, before a forward that would keep
+            more micro-batches than 1F1B does (p - r), or at the end. After Qi et al., "Zero
+            Bubble Pipeline Parallelism" (2023), whose ZB-H1 places the W's by a static plan
+            within 1F1B's memory; this one fills the waits greedily within the same bound. The
+            stage must be an nn.Sequential: pipeline_step cuts the autograd graph between its
+            layers (each layer's output detached), so that each layer's W can run on its own.
 The bubble, the idle share of the step, is (p - 1) / (m + p - 1) for gpipe and 1f1b when every
-stage takes the same time.
+stage takes the same time (Narayanan et al. give it as (p - 1) / m of the ideal time instead:
+the same bubble, measured against the time without it).
 
 Messages: activations go to rank + 1 and gradients to rank - 1 with isend (a blocking send could
 deadlock: in 1F1B's steady phase neighbours send to each other at the same time), received with
@@ -148,6 +153,9 @@ class _Pipeline:
     # The three computations.
 
     def forward(self, index, inputs, targets, loss_fn, num_micro_batches, split):
+        # zb: no more micro-batches kept than 1F1B keeps (p - rank): put-off W's first
+        while split and self.pending_w and len(self.kept) >= self.size - self.rank:
+            self.weight_gradient()
         if self.first:
             x = inputs[index]
         else:
