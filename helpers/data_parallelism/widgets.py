@@ -22,16 +22,24 @@ def ring_alpha(alpha_at_2: float, world_size: int) -> float:
     return alpha_at_2 * (world_size - 1)
 
 
+def draw_bucket_model(grad_bytes: list, measured: dict, alpha: float, beta: float,
+                      bucket_bytes: float = 2 * 2**20, world_size: int = 2):
+    """The explorer's picture for one bucket size and world size (by default, its starting
+    state): the alpha-beta model's step for the naive loop, per-gradient all_reduces, and
+    buckets."""
+    forward, backward, step = scaled_compute(measured, world_size)
+    runs = plots.modelled_steps(grad_bytes, forward, backward, step, world_size,
+                                ring_alpha(alpha, world_size), beta, bucket_bytes)
+    return plots.plot_step_timelines(runs, what=f"model, {world_size} ranks")
+
+
 def bucket_explorer(grad_bytes: list, measured: dict, alpha: float, beta: float,
                     bucket_bytes: float = 2 * 2**20, world_size: int = 2):
     """A slider for the bucket size and one for the world size: the alpha-beta model's step for
     the naive loop, one all_reduce per gradient, and buckets, redrawn at each change. `alpha`
     and `beta` were measured on 2 ranks; alpha grows with the ring's steps (ring_alpha)."""
     def show(bucket_bytes, world_size):
-        forward, backward, step = scaled_compute(measured, world_size)
-        runs = plots.modelled_steps(grad_bytes, forward, backward, step, world_size,
-                                    ring_alpha(alpha, world_size), beta, bucket_bytes)
-        plots.plot_step_timelines(runs, what=f"model, {world_size} ranks")
+        draw_bucket_model(grad_bytes, measured, alpha, beta, bucket_bytes, world_size)
         plt.show()
 
     return widgets.interactive(
