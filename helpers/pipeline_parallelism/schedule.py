@@ -37,6 +37,7 @@ shape (every micro-batch has the same).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -109,14 +110,6 @@ def _recv_meta(src, group):
     return DTYPES[meta[0]], tuple(meta[2:2 + meta[1]].tolist())
 
 
-class _Nothing:
-    def __enter__(self):
-        return []
-
-    def __exit__(self, *exc_info):
-        return False
-
-
 class _Pipeline:
     def __init__(self, stage, group):
         self.stage, self.group = stage, group
@@ -167,7 +160,8 @@ class _Pipeline:
         micro = self.kept[index] = _MicroBatch()
 
         def run():
-            with saved_activations(self.stage) if self.track_memory else _Nothing() as saved:
+            counting = saved_activations(self.stage) if self.track_memory else nullcontext([])
+            with counting as saved:
                 if split:  # each layer on its own graph, so that W can be taken per layer
                     h = x
                     for layer in self.stage:
