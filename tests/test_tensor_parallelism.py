@@ -87,7 +87,7 @@ def test_the_papers_mlp_equals_the_dense_one_forward_and_backward(world_size, wi
                 2 * (world_size - 1) / world_size * activation_bytes)
 
 
-def block_communication(world_size, sequence_parallel):
+def block_communication(sequence_parallel):
     """{direction: {collective: calls}} of one block, and the bytes of the activations' and the
     partial gradients' collectives."""
     if not sequence_parallel:
@@ -108,7 +108,7 @@ def test_the_tensor_parallel_block_equals_the_dense_one(world_size, sequence_par
     assert_like_dense(out, dense(block, inputs, targets), sequence_parallel)
     activations = B * S * H * 4
     for got in out:
-        for direction, counts in block_communication(world_size, sequence_parallel).items():
+        for direction, counts in block_communication(sequence_parallel).items():
             made = {name: calls for name, calls in got["calls"][direction].items() if calls}
             assert made == counts
             # the activations' collectives send what four all-reduces would, with or without SP
