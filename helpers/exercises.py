@@ -158,7 +158,8 @@ def _check_ranks(exercise, function, world_size, args, log_dir):
         return [f"{on}, rank {failure.rank} broke a rule: {failure.message}"]
     logs = rules_module.read_logs(log_dir, world_size)
     broken = next((problem for rule in exercise.rules
-                   if (problem := rule.broken_by(logs, world_size, args))), None)
+                   if (problem := rule.broken_by(logs, world_size, args,
+                                                 finished=failure is None))), None)
     if broken:  # a broken rule explains a hang or a wrong value better than the symptom does
         return [f"{on}: {broken}"]
     if isinstance(failure, WorkerTimeout):

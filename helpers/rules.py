@@ -53,9 +53,12 @@ class Rule:
         """Checked in the rank at every call: True stops the function with `RuleBroken`."""
         return False
 
-    def broken_by(self, logs: dict, world_size: int, args: tuple = ()) -> str | None:
+    def broken_by(self, logs: dict, world_size: int, args: tuple = (),
+                  finished: bool = True) -> str | None:
         """Checked after the run on every rank's calls (a list of `Call`), given the case's
-        arguments: a sentence, or None."""
+        arguments: a sentence, or None. `finished` is False when the run hung or failed: the
+        logs then stop where each rank stopped, and a rule about what a rank must still do
+        judges only what it did so far."""
         return None
 
 
@@ -78,7 +81,7 @@ class SameGroups(Rule):
     def __init__(self, text: str = "every rank must create every group, in the same order"):
         super().__init__(text)
 
-    def broken_by(self, logs, world_size, args=()):
+    def broken_by(self, logs, world_size, args=(), finished=True):
         created = {rank: [call.detail["ranks"] for call in calls
                           if call.name == "new_group" and not call.detail["local"]]
                    for rank, calls in logs.items()}
@@ -97,7 +100,7 @@ class AtMostSends(Rule):
         super().__init__(text)
         self.limit = limit
 
-    def broken_by(self, logs, world_size, args=()):
+    def broken_by(self, logs, world_size, args=(), finished=True):
         for rank, calls in sorted(logs.items()):
             count, allowed = len(sends(calls)), self.limit(rank, world_size)
             if count > allowed:
@@ -125,10 +128,10 @@ class SendsTo(Rule):
         super().__init__(text)
         self.peers, self.who = peers, who
 
-    def broken_by(self, logs, world_size, args=()):
+    def broken_by(self, logs, world_size, args=(), finished=True):
         for rank in range(world_size):
             sent, wanted = sends(logs.get(rank, [])), self.peers(rank, world_size, *args)
-            if sent != wanted:
+            if not _as_far_as_it_went(sent, wanted, finished):
                 return (f"{self.text}: on {world_size} ranks, rank {rank} sent to {sent}, where "
                         f"{self.who} sends to {wanted}.")
         return None
@@ -142,15 +145,20 @@ class CallSizes(Rule):
         super().__init__(text)
         self.call, self.sizes = call, sizes
 
-    def broken_by(self, logs, world_size, args=()):
+    def broken_by(self, logs, world_size, args=(), finished=True):
         wanted = list(self.sizes(world_size, *args))
         for rank, calls in sorted(logs.items()):
             made = [entry.numel for entry in calls if entry.name == self.call]
-            if made != wanted:
+            if not _as_far_as_it_went(made, wanted, finished):
                 return (f"{self.text}: rank {rank}'s {self.call} calls held {made} elements "
                         f"({_calls(len(made))}), where the task's rule gives {wanted} "
                         f"({_calls(len(wanted))}).")
         return None
+
+
+def _as_far_as_it_went(made: list, wanted: list, finished: bool) -> bool:
+    """A finished run made exactly `wanted`; one that stopped early, its beginning."""
+    return made == wanted if finished else made == wanted[:len(made)]
 
 
 def _calls(count: int) -> str:

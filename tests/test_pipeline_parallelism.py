@@ -233,7 +233,43 @@ def backward_without_dividing_by_m(rank, world_size, weight, micro_batches, num_
     return weight.grad
 
 
+def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, num_micro_batches,
+                                    shape):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    warmup = min(world_size - rank - 1, num_micro_batches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(num_micro_batches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(num_micro_batches - warmup, num_micro_batches)]
+    weight, kept = weight.clone().requires_grad_(), {}
+    for kind, i in order:
+        if kind == "F":
+            x = micro_batches[i] if rank == 0 else torch.empty(shape)
+            if rank > 0:
+                dist.recv(x, src=rank - 1)
+                x.requires_grad_()
+            out = F.gelu(x @ weight)
+            if rank < world_size - 1:
+                dist.send(out.detach(), dst=rank + 1)  # neighbours both send: a deadlock
+            kept[i] = (x, out)
+        else:
+            x, out = kept.pop(i)
+            if rank == world_size - 1:
+                (out.square().mean() / num_micro_batches).backward()
+            else:
+                grad = torch.empty(shape)
+                dist.recv(grad, src=rank + 1)
+                out.backward(grad)
+            if rank > 0:
+                dist.send(x.grad, dst=rank - 1)
+    return weight.grad
+
+
 @pytest.mark.parametrize("name,mistake,says", [
+    ("one_f_one_b_step", one_f_one_b_with_blocking_sends, "did not finish within"),
     ("one_f_one_b_order", order_without_the_warm_up_limit, "For the input (0, 4, 2)"),
     ("pipeline_forward", forward_broadcasting_the_activations,
      "each rank but the last sends each micro-batch's activations to rank + 1, once"),

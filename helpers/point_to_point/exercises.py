@@ -13,7 +13,7 @@ class InRounds(Rule):
     A rank that receives in round t and then sends k times reaches its k-th peer in round t + k
     (rank 0 has the data in round 0); a chain 0 -> 1 -> 2 ... needs n - 1 rounds."""
 
-    def broken_by(self, logs, world_size, args=()):
+    def broken_by(self, logs, world_size, args=(), finished=True):
         arrival, pending = {0: 0}, [0]
         while pending:
             sender = pending.pop()
