@@ -115,7 +115,9 @@ class _Pipeline:
         self.stage, self.group = stage, group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.first, self.last = self.rank == 0, self.rank == self.size - 1
-        self.prev, self.next = (dist.get_global_rank(group, r) if group is not None else r
+        # neighbours' global ranks (send and recv take those); the first and the last have one
+        self.prev, self.next = (dist.get_global_rank(group, r) if group is not None
+                                and 0 <= r < self.size else r
                                 for r in (self.rank - 1, self.rank + 1))
         self.sends = []  # (work, tensor): kept until the end of the step
         self.input_spec = None
