@@ -19,9 +19,13 @@ lab: setup
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # The linter, then the unit tests, then every notebook re-executed and compared with its committed
-# outputs (nbval).
+# outputs (nbval) with the real-browser test. Two pytest workers (pytest-xdist): much of a test's
+# time is ranks waiting for each other or for a timeout, which the other worker fills. Each
+# notebook's cells stay on one worker, in order (--dist loadfile).
 test: setup lint
-	$(PY) -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg tests $(NOTEBOOKS)
+	$(PY) -m pytest -n 2 tests --ignore=tests/test_browser.py
+	$(PY) -m pytest -n 2 --dist loadfile --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
+		$(NOTEBOOKS) tests/test_browser.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -40,6 +44,8 @@ benchmark: setup
 	$(PY) benchmarks/ring.py
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/zero.py
+	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/weights.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
