@@ -111,7 +111,7 @@ def plot_topologies(n, size_bytes, device_bandwidth):
         ax.bar_label(bars, fmt="%.1f ms", fontsize=8)
     ax.set_xticks(range(len(TOPOLOGIES)), TOPOLOGIES)
     ax.set_ylabel("model time (ms)")
-    ax.set_title(f"{n} devices, {size_bytes / 1e6:g} MB each, "
+    ax.set_title(f"{n} devices, {size_bytes / 1e6:.4g} MB each, "
                  f"{device_bandwidth / 1e9:g} GB/s out of each device", fontsize=10)
     ax.legend(frameon=False)
     fig.tight_layout()
