@@ -1,0 +1,163 @@
+"""Which combination of data, tensor and pipeline parallelism fits, for real model sizes: a
+projection from the formulas lessons 06-10 verified on small models (lesson 10).
+
+Nothing here is measured: it is arithmetic on published model shapes and the course's formulas,
+and every output is a projection. Per GPU, for a layout dp x tp x pp (and a ZeRO stage over dp):
+
+    model states   lesson 07's bytes_per_rank (Rajbhandari et al. 2020, mixed precision: 2 + 2 + 12
+                   bytes per parameter) for the Psi / (tp pp) parameters of one tensor and pipeline
+                   shard, sharded over dp from the ZeRO stage on
+    activations    Korthikanti et al. 2022, Table 2, tensor + sequence parallelism with
+                   selective recomputation: 34 s b h / t bytes per layer per micro-batch, for
+                   the L / pp layers of a stage, times the micro-batches in flight on the
+                   first stage under 1F1B (lesson 09: pp - r on rank r, so pp)
+    data parallel  per step, a ring all-reduce of the 2-byte gradients, 2 (dp - 1)/dp Psi' 2 bytes
+                   (ZeRO 1 and 2 move the same; ZeRO 3 adds an all-gather of the weights in
+                   backward, 3 (dp - 1)/dp Psi' 2; ZeRO paper, section 7)
+    tensor         lesson 08's layer_bytes_sent (four all-reduces of s b h per layer) for each layer
+                   of the stage and each micro-batch
+    pipeline       each micro-batch's activation forward and its gradient back, s b h 2 bytes each,
+                   on a stage with neighbours on both sides
+The model shapes are torchtitan's (pytorch/torchtitan, torchtitan/models/llama3/__init__.py,
+llama3_configs "8B" and "70B"; the vocabulary from Llama3Model.Config in model.py), with their
+SwiGLU hidden size from compute_ffn_hidden_dim: int(1.3 int(2 4d / 3)) rounded up to a multiple of
+1024 (8B) or 4096 (70B). The memory per GPU is the H100 SXM's 80 GB (S. Bekman, "Machine Learning
+Engineering", stas00/ml-engineering, compute/accelerator/README.md, memory table).
+`seconds` divides each kind's bytes by a published link (lesson 04's table): tensor parallelism
+inside a machine over NVLink 4, the rest between machines over one InfiniBand NDR400 port per GPU
+(all of it over NVLink when the layout fits in one machine of 8 GPUs); bandwidth only, nothing
+overlapped. It ranks the layouts; it is not a step time.
+The activation count is Korthikanti et al.'s for a GPT block (a 4h GeLU MLP, LayerNorm, dropout,
+multi-head attention); Llama's SwiGLU MLP, grouped-query attention and RMSNorm differ from it, so
+for Llama it is an approximation.
+Left out: temporary buffers, the all-gathered weights of ZeRO-3, fragmentation, the embedding's
+and head's extra activations, and the wait of a pipeline's bubble.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from helpers.measuring_communication.published import PUBLISHED_LINKS
+from helpers.tensor_parallelism.cost import layer_bytes_sent
+from helpers.zero_and_fsdp.memory import bytes_per_rank
+
+GPU_MEMORY = 80e9  # H100 SXM, bytes (ml-engineering, compute/accelerator/README.md)
+INSIDE, BETWEEN = "NVLink 4 (H100, H200)", "InfiniBand NDR400, one port"  # lesson 04's labels
+GPUS_PER_MACHINE = 8
+
+
+def _link(label: str) -> float:
+    return next(value for name, value, _ in PUBLISHED_LINKS if name == label)
+
+
+def swiglu_hidden(dim: int, multiple_of: int, multiplier: float) -> int:
+    """torchtitan's compute_ffn_hidden_dim, as its llama3 configs call it."""
+    hidden = int(multiplier * int(2 * 4 * dim / 3))
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    dim: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+    def parameters(self) -> int:
+        """Token embedding and output head (untied), and per layer: q and o (d x d), k and v
+        (d x kv_heads head_dim), SwiGLU's three matrices (d x ffn), two RMSNorm weights; a final
+        RMSNorm."""
+        kv = self.kv_heads * self.dim // self.heads
+        layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn \
+            + 2 * self.dim
+        return 2 * self.vocab * self.dim + self.layers * layer + self.dim
+
+
+MODELS = {
+    "Llama 3 8B": Model("Llama 3 8B", 32, 4096, 32, 8, swiglu_hidden(4096, 1024, 1.3), 128256),
+    "Llama 3 70B": Model("Llama 3 70B", 80, 8192, 64, 8, swiglu_hidden(8192, 4096, 1.3),
+                         128256),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self):
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}, ZeRO-{self.zero}"
+
+
+def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int = 1,
+            global_batch: int = 1024) -> dict:
+    """Per GPU, in bytes: {"weights", "gradients", "optimizer", "activations", "memory", "fits",
+    "data parallel", "tensor parallel", "pipeline", "sent", "seconds"}; `global_batch` sequences
+    per step, cut into micro-batches of `micro_batch` on each data-parallel rank. A projection."""
+    shard = model.parameters() / (layout.tp * layout.pp)
+    states = bytes_per_rank(shard, layout.dp, layout.zero, precision="mixed")
+    layers = model.layers / layout.pp
+    micro_batches = global_batch / (layout.dp * micro_batch)
+    in_flight = min(layout.pp, micro_batches)
+    sbh = seq_len * micro_batch * model.dim
+    activations = 34 * sbh / layout.tp * layers * in_flight
+    ring = (layout.dp - 1) / layout.dp
+    data = (3 if layout.zero == 3 else 2) * ring * shard * 2
+    tensor = layer_bytes_sent(seq_len, micro_batch, model.dim, layout.tp) * layers * micro_batches
+    pipeline = 2 * sbh * 2 * micro_batches if layout.pp > 1 else 0.0
+    memory = states["total"] + activations
+    return {"weights": states["weights"], "gradients": states["gradients"],
+            "optimizer": states["optimizer"], "activations": activations, "memory": memory,
+            "fits": memory <= GPU_MEMORY, "data parallel": data, "tensor parallel": tensor,
+            "pipeline": pipeline, "sent": data + tensor + pipeline,
+            "seconds": tensor / _link(INSIDE) + (data + pipeline) / _link(
+                INSIDE if layout.gpus <= GPUS_PER_MACHINE else BETWEEN)}
+
+
+def layouts(model: Model, gpus: int, max_tp: int = 8) -> list:
+    """Every dp x tp x pp = gpus with tp a power of two up to `max_tp` (one machine's GPUs) that
+    divides the heads, pp dividing the layers, and each ZeRO stage (only 0 without dp)."""
+    found = []
+    tp = 1
+    while tp <= min(max_tp, gpus):
+        for pp in range(1, gpus // tp + 1):
+            if (gpus // tp) % pp or model.layers % pp or model.heads % tp:
+                continue
+            dp = gpus // (tp * pp)
+            for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                found.append(Layout(dp, tp, pp, zero))
+        tp *= 2
+    return found
+
+
+def table(model: Model, gpus: int, **kwargs) -> list:
+    """(layout, projection) for every layout that fits in GPU_MEMORY, least link time first."""
+    rows = [(layout, project(model, layout, **kwargs)) for layout in layouts(model, gpus)]
+    return sorted(((layout, row) for layout, row in rows if row["fits"]),
+                  key=lambda item: item[1]["seconds"])
+
+
+def describe(model: Model, gpus: int, top: int = 5, **kwargs) -> str:
+    """The `top` fitting layouts as text: memory, bytes sent and link seconds per GPU per step."""
+    fitting, every = table(model, gpus, **kwargs), layouts(model, gpus)
+    lines = [f"{model.name} ({model.parameters() / 1e9:.2f} B parameters) on {gpus} GPUs of "
+             f"{GPU_MEMORY / 1e9:.0f} GB: {len(fitting)} of {len(every)} layouts fit "
+             "(a projection, not a measurement)"]
+    for layout, row in fitting[:top]:
+        lines.append(f"  {str(layout):34s} {row['memory'] / 1e9:5.1f} GB; sends dp "
+                     f"{row['data parallel'] / 1e9:5.1f} + tp {row['tensor parallel'] / 1e9:6.1f}"
+                     f" + pp {row['pipeline'] / 1e9:5.1f} GB: {row['seconds']:5.2f} s on links")
+    if not fitting:
+        lines.append("  none: more GPUs, a smaller micro-batch, or full recomputation")
+    return "\n".join(lines)
