@@ -12,6 +12,8 @@ same in the kernel and in any rank:
     mlp_data(...), lm_data(...)             seeded batches, one per training step
     train(model, batches, loss_fn, ...)     the single-process reference: losses and parameters
     gradients(model, batch, loss_fn)        one forward and backward: every parameter's gradient
+    in_float64(model, batches)              the same model and data in float64, for comparisons
+                                            of whole training runs (helpers.tolerance says why)
 """
 
 from __future__ import annotations
@@ -182,6 +184,17 @@ def lm_data(seed: int = 0, batch_size: int = 8, seq_len: int = 16, vocab: int = 
         tokens = (start + stride * torch.arange(seq_len + 1)) % vocab
         batches.append(Batch(tokens[:, :-1], tokens[:, 1:]))
     return batches
+
+
+def in_float64(model: nn.Module, batches: list) -> tuple:
+    """A float64 copy of `model` and `batches` (token ids stay integers): the same weights and
+    data with rounding 2**29 times finer, where AdamW's amplification of rounding stays far below
+    any tolerance (helpers.tolerance)."""
+    def widened(tensor):
+        return tensor.double() if tensor.is_floating_point() else tensor
+
+    return (copy.deepcopy(model).double(),
+            [Batch(widened(batch.inputs), widened(batch.targets)) for batch in batches])
 
 
 def mse_loss(outputs, targets):

@@ -7,6 +7,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import copy
 import functools
 import math
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from checker import expect_acceptance, expect_rejection
+from compare import labelled
 from torch import nn
 
 from helpers import WorkerError, reference, run
@@ -27,20 +29,19 @@ STEPS = 10
 
 
 def lm_case():
-    """The course's tiny LM, ten batches of 8 sequences, and one process's training on them."""
-    model, batches = reference.make_lm(), reference.lm_data(batch_size=8, steps=STEPS)
+    """The course's tiny LM, ten batches of 8 sequences, and one process's training on them, in
+    float64: over ten AdamW steps, AdamW would amplify float32 rounding in a gradient near zero
+    into a visible difference in its weight (helpers.tolerance); in float64 every comparison holds
+    with assert_close's float64 default (rtol 1e-7, atol 1e-7)."""
+    model, batches = reference.in_float64(reference.make_lm(),
+                                          reference.lm_data(batch_size=8, steps=STEPS))
     return model, batches, reference.train(model, batches, reference.lm_loss)
 
 
 def assert_same_losses(losses, single):
     assert len(losses) == STEPS
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single.losses))
-
-
-# Adam divides each step by the gradient's own running size, so a rounding difference in a
-# gradient near zero becomes a visible difference in that weight after ten steps (one element of
-# one k projection moves 4e-5 here, against steps of lr = 1e-2). The losses agree to float32.
-PARAMETERS = {"atol": 1e-4, "rtol": 0}
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(single.losses, dtype=torch.float64))
 
 
 def test_mesh_grid_puts_each_rank_where_the_formula_says():
@@ -81,7 +82,7 @@ def test_mesh_data_x_tensor_parallel_with_torch_trains_like_one_process():
     for result in out:
         assert_same_losses(result["losses"], single)
         for name, param in single.parameters.items():
-            torch.testing.assert_close(result["parameters"][name], param, **PARAMETERS, msg=name)
+            torch.testing.assert_close(result["parameters"][name], param, msg=labelled(name))
     layouts = out[0]["layouts"]
     # q's rows are split over tp (its heads), then fully_shard splits each tp piece over dp
     mesh_dims, placements, local_shape = layouts["blocks.0.attention.q.weight"]
@@ -201,7 +202,7 @@ def test_experts_layer_equals_one_process_forward_and_backward(case):
                 *(name for name in grads if name.startswith(f"experts.{rank}."))}
         assert set(result["grads"]) == mine
         for name in mine:  # the router's: summed over the ranks; expert r's: on rank r
-            torch.testing.assert_close(result["grads"][name], grads[name], msg=name)
+            torch.testing.assert_close(result["grads"][name], grads[name], msg=labelled(name))
 
 
 def dropped_by_counting(world_size, k, capacity_factor):
@@ -344,8 +345,11 @@ WEIGHTS_STEPS, NEW_TOKENS = 3, 6
 
 
 def weights_lm_case():
-    model = reference.make_lm(vocab=64, dim=32, heads=4, layers=2, max_seq_len=16)
-    batches = reference.lm_data(seed=5, batch_size=8, seq_len=16, vocab=64, steps=WEIGHTS_STEPS)
+    """In float64, like lm_case: the trainers' weights after AdamW steps equal one process's within
+    assert_close's float64 default, and near-tied logits cannot pick other tokens."""
+    model, batches = reference.in_float64(
+        reference.make_lm(vocab=64, dim=32, heads=4, layers=2, max_seq_len=16),
+        reference.lm_data(seed=5, batch_size=8, seq_len=16, vocab=64, steps=WEIGHTS_STEPS))
     return model, batches, batches[0].inputs[:2, :4]  # prompt: 2 sequences of 4 tokens
 
 
@@ -354,7 +358,7 @@ def one_process_generations(model, batches, prompt):
     generated = []
     for steps in range(1, len(batches) + 1):
         trained = reference.train(model, batches[:steps], reference.lm_loss, "adamw", 1e-2)
-        copy_of_model = reference.make_lm(vocab=64, dim=32, heads=4, layers=2, max_seq_len=16)
+        copy_of_model = copy.deepcopy(model)
         copy_of_model.load_state_dict(trained.parameters)
         generated.append(weights.greedy_generate(copy_of_model, prompt, NEW_TOKENS))
     return generated, trained.parameters
@@ -371,11 +375,12 @@ def test_weights_inference_ranks_generate_like_one_process_after_every_step(vari
         for step, (tokens, logits) in enumerate(expected):
             got = out[rank]["steps"][step]
             assert torch.equal(got["tokens"], tokens), (rank, step)
-            torch.testing.assert_close(got["logits"], logits, msg=f"rank {rank}, step {step}")
+            torch.testing.assert_close(got["logits"], logits,
+                                       msg=labelled(f"rank {rank}, step {step}"))
             # the same weights as trainer 0, bit for bit, so the same logits bit for bit
             assert torch.equal(got["logits"], out[0]["steps"][step]["logits"])
         for name, param in final_parameters.items():
-            torch.testing.assert_close(out[rank]["parameters"][name], param, msg=name)
+            torch.testing.assert_close(out[rank]["parameters"][name], param, msg=labelled(name))
 
 
 @functools.cache
@@ -585,7 +590,8 @@ def test_ring_backward_equals_autograd(world_size, layout):
     for rank, grads in enumerate(out):
         positions = positions_of(rank, world_size, shape[2], layout)
         for name, tensor in zip("qkv", (q, k, v)):
-            torch.testing.assert_close(grads[name], tensor.grad[:, :, positions], msg=name)
+            torch.testing.assert_close(grads[name], tensor.grad[:, :, positions],
+                                       msg=labelled(name))
 
 
 def recorded_backward_worker(rank, world_size, log_dir, shape):

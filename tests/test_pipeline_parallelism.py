@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import pytest
 import torch
 from checker import expect_rejection
+from compare import labelled
 from torch import nn
 
 from helpers import WorkerError, exercises, reference, run, spawn
@@ -62,7 +63,7 @@ def test_every_schedule_gives_the_single_process_gradients(name, world_size, mic
     grads = merged(out)
     assert set(grads) == set(expected)
     for param, grad in expected.items():
-        torch.testing.assert_close(grads[param], grad, msg=param)
+        torch.testing.assert_close(grads[param], grad, msg=labelled(param))
     assert out[-1]["loss"] == pytest.approx(
         reference.mse_loss(model(batch.inputs), batch.targets).item(), rel=1e-5)
     assert all(result["loss"] is None for result in out[:-1])
@@ -82,7 +83,7 @@ def test_torch_pipelining_gives_the_same_gradients(name):
                   show_output=False)
         grads = merged(out)
         for param, grad in expected.items():
-            torch.testing.assert_close(grads[param], grad, msg=param)
+            torch.testing.assert_close(grads[param], grad, msg=labelled(param))
 
 
 def test_torchs_1f1b_refuses_fewer_micro_batches_than_stages_where_ours_runs():

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from compare import labelled
 
 from helpers import reference
 
@@ -23,7 +24,7 @@ def test_seeded_randn_depends_on_the_seed_only():
 def test_models_are_seeded_and_their_layers_differ():
     model, again = reference.make_mlp(16, 4, seed=3), reference.make_mlp(16, 4, seed=3)
     for (name, param), (_, param_again) in zip(model.named_parameters(), again.named_parameters()):
-        torch.testing.assert_close(param, param_again, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(param, param_again, rtol=0, atol=0, msg=labelled(name))
     weights = [layer.weight for layer in model.layers]
     assert all(not torch.equal(weights[0], other) for other in weights[1:])
     state = torch.random.get_rng_state()
@@ -99,7 +100,7 @@ def test_gradients_equal_autograd_on_the_loss_written_out():
     expected = torch.autograd.grad(loss, list(model.parameters()))
     got = reference.gradients(model, batch, reference.lm_loss)
     for (name, _), want in zip(model.named_parameters(), expected):
-        torch.testing.assert_close(got[name], want, msg=name)
+        torch.testing.assert_close(got[name], want, msg=labelled(name))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

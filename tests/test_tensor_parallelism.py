@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import pytest
 import torch
 from checker import expect_rejection
+from compare import labelled
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -35,7 +36,8 @@ def assert_like_dense(results, expected, sequence_parallel):
         torch.testing.assert_close(got["input_grad"], input_grad)
         assert list(got["grads"]) == list(grads)
         for name, grad in grads.items():
-            torch.testing.assert_close(got["grads"][name], grad, msg=f"rank {rank}: {name}")
+            torch.testing.assert_close(got["grads"][name], grad,
+                                       msg=labelled(f"rank {rank}: {name}"))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from checker import expect_rejection
+from compare import labelled
 from torch import nn
 
 from helpers import WorkerError, reference, run
@@ -25,32 +26,39 @@ def lm_and_batches(tie_weights=True):
             reference.lm_data(seed=1, batch_size=8, steps=5))
 
 
+def float64_lm_and_batches():
+    """The same, in float64: whole AdamW runs are compared there, where AdamW cannot amplify
+    rounding into a visible difference (helpers.tolerance), with assert_close's float64
+    default."""
+    return reference.in_float64(*lm_and_batches())
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_stage_trains_like_one_process(stage, world_size):
     """A TinyLM with tied embeddings, LayerNorms and biases; 5 AdamW steps."""
-    model, batches = lm_and_batches()
+    model, batches = float64_lm_and_batches()
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
     out = run(workers.training_worker, world_size, args=(stage, model, batches),
               show_output=False)
     for parameters in out:
         assert list(parameters) == list(single.parameters)  # the names, the tie once
         for name, param in single.parameters.items():
-            torch.testing.assert_close(parameters[name], param, msg=name)
+            torch.testing.assert_close(parameters[name], param, msg=labelled(name))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_3_with_whole_blocks_as_units_trains_like_one_process(world_size):
     """Each block one piece, gathered once per forward and once per backward, its forward
     computed again in the backward."""
-    model, batches = lm_and_batches()
+    model, batches = float64_lm_and_batches()
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
     out = run(workers.training_worker, world_size,
               args=(3, model, batches), kwargs={"units": "blocks"}, show_output=False)
     for parameters in out:
         assert list(parameters) == list(single.parameters)
         for name, param in single.parameters.items():
-            torch.testing.assert_close(parameters[name], param, msg=name)
+            torch.testing.assert_close(parameters[name], param, msg=labelled(name))
 
 
 def block_units_worker(rank, world_size):
@@ -76,12 +84,12 @@ def test_a_block_unit_costs_one_all_gather_each_way_and_one_reduce_scatter():
 
 @pytest.mark.parametrize("kind", workers.TORCH_KINDS)
 def test_pytorch_zero_trains_like_one_process(kind):
-    model, batches = lm_and_batches()
+    model, batches = float64_lm_and_batches()
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
     out = run(workers.torch_training_worker, 2, args=(kind, model, batches), show_output=False)
     for parameters in out:
         for name, param in single.parameters.items():
-            torch.testing.assert_close(parameters[name], param, msg=name)
+            torch.testing.assert_close(parameters[name], param, msg=labelled(name))
 
 
 @pytest.mark.parametrize("gradient_sharding", [False, True])
@@ -90,7 +98,7 @@ def test_the_sharded_optimizer_keeps_param_groups_and_leaves_frozen_weights(grad
     for result in out:
         assert result["frozen unchanged"]
         for name, param in result["alone"].items():
-            torch.testing.assert_close(result["sharded"][name], param, msg=name)
+            torch.testing.assert_close(result["sharded"][name], param, msg=labelled(name))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -101,9 +109,14 @@ def test_fsdp_in_low_precision_equals_one_process_doing_the_same_casts(dtype):
     float32 = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
     out = run(workers.training_worker, 2, args=(3, model, batches, "lm", dtype),
               show_output=False)
+    # 1e-3, a tenth of one AdamW step (lr 1e-2): both sides cast the same values, but add their
+    # float32 sums in other orders, and a value that crosses a bfloat16 rounding boundary moves
+    # by a whole bfloat16 step (2**-8 of its size), which AdamW turns into a changed step near a
+    # zero gradient. A wrong algorithm moves weights by whole steps (see the last assertion).
     for parameters in out:
         for name, param in same_casts.items():
-            torch.testing.assert_close(parameters[name], param, atol=1e-3, rtol=0, msg=name)
+            torch.testing.assert_close(parameters[name], param, atol=1e-3, rtol=0,
+                                       msg=labelled(name))
             assert parameters[name].dtype == torch.float32  # the master weights stay float32
     # and the casts matter: float32 training ends elsewhere, by far more than that tolerance
     assert max((float32.parameters[name] - param).abs().max().item()
@@ -339,14 +352,14 @@ def test_checker_rejects_a_typical_mistake(name, mistake, says):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gradient_clipping_by_the_global_norm_matches_one_process(stage):
-    model, batches = lm_and_batches()
+    model, batches = float64_lm_and_batches()
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2,
                              max_grad_norm=0.3)
     unclipped = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
     out = run(workers.training_worker, 2, args=(stage, model, batches),
               kwargs={"max_grad_norm": 0.3}, show_output=False)
     for name, param in single.parameters.items():
-        torch.testing.assert_close(out[0][name], param, msg=name)
+        torch.testing.assert_close(out[0][name], param, msg=labelled(name))
     assert any(not torch.allclose(unclipped.parameters[name], param)
                for name, param in single.parameters.items())  # the clipping did something
 
@@ -389,7 +402,7 @@ def test_a_sharded_optimizer_saves_and_resumes_its_pieces_state(gradient_shardin
     out = run(resume_worker, 2, args=(gradient_sharding, str(tmp_path)), show_output=False)
     for straight, resumed in out:
         for name, param in straight.items():
-            torch.testing.assert_close(resumed[name], param, msg=name)
+            torch.testing.assert_close(resumed[name], param, msg=labelled(name))
 
 
 def different_seeds_worker(rank, world_size):
@@ -425,7 +438,7 @@ def test_recomputing_a_unit_draws_the_same_dropout_masks():
     recomputed = run(dropout_unit_worker, 2, args=(True,), show_output=False)[0]
     layered = run(dropout_unit_worker, 2, args=(False,), show_output=False)[0]
     for name, param in layered.items():
-        torch.testing.assert_close(recomputed[name], param, msg=name)
+        torch.testing.assert_close(recomputed[name], param, msg=labelled(name))
 
 
 def refusing_worker(rank, world_size, case):
@@ -460,15 +473,17 @@ def test_the_fully_shard_recipe_trains_like_one_process():
     """Meta-device build, rank 0's weights broadcast into the pieces, clipping, full state dict
     back on rank 0."""
     kwargs = {"vocab": 64, "dim": 32, "heads": 4, "layers": 2, "max_seq_len": 16}
-    model, batches = reference.make_lm(seed=0, **kwargs), reference.lm_data(seed=1, steps=5)
+    model, batches = reference.in_float64(reference.make_lm(seed=0, **kwargs),
+                                          reference.lm_data(seed=1, steps=5))
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2,
                              max_grad_norm=0.5)
     out = run(workers.fully_shard_recipe_worker, 2,
-              args=(kwargs, model.state_dict(), batches, 0.5), show_output=False)
+              args=(kwargs, model.state_dict(), batches),
+              kwargs={"max_grad_norm": 0.5, "dtype": torch.float64}, show_output=False)
     assert out[1] is None
     assert list(out[0]) == list(model.state_dict())
     for name, param in single.parameters.items():
-        torch.testing.assert_close(out[0][name], param, msg=name)
+        torch.testing.assert_close(out[0][name], param, msg=labelled(name))
 
 
 def test_stage_1_times_and_bytes_against_zero_redundancy_optimizer():

@@ -9,7 +9,7 @@ A layer's full weight exists only while the layer computes:
              weight is half the bytes), compute, free the gathered weight
   backward   all_gather the weight again (the input's gradient needs it), compute the input's
              and the weight's gradients, free the weight; reduce_scatter the weight's gradient
-             (AVG, in float32): rank r keeps the average of its piece
+             (AVG, in the pieces' dtype, float32): rank r keeps the average of its piece
   (An Embedding's backward needs only the token ids, so it gathers in forward only.)
 
 For a layer gathered in its forward and its backward, each rank sends (n-1)/n of its parameters
@@ -19,7 +19,8 @@ a tied weight, reduce-scattered once per use, costs more.
 
 Other parameters (LayerNorm's) stay whole on every rank, and finish_gradient_synchronization()
 averages their gradients with all_reduce: call it before optimizer.step(). The optimizer steps
-the float32 pieces, so the master weights and the update stay float32 whatever compute_dtype is.
+the pieces in the module's own dtype (float32), so the master weights and the update keep it
+whatever compute_dtype is.
 The autograd Functions below hold the communication; ShardedLinear and ShardedEmbedding are the
 layers that use them.
 
@@ -105,9 +106,10 @@ class _Sharding:
         return [part.view(shape) for part, shape in
                 zip(flat.split([math.prod(shape) for shape in shapes]), shapes)]
 
-    def scatter(self, gradients: list) -> torch.Tensor:
-        """This rank's piece of the layer's gradients averaged over the ranks, in float32."""
-        return scatter_mean(torch.cat([grad.float().flatten() for grad in gradients]),
+    def scatter(self, gradients: list, piece: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of the layer's gradients averaged over the ranks, in the dtype of
+        the master weights, `piece`'s."""
+        return scatter_mean(torch.cat([grad.to(piece.dtype).flatten() for grad in gradients]),
                             self.group)
 
 
@@ -133,7 +135,7 @@ class GatheredLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_rows, input_rows = grad.flatten(0, -2), inputs.to(weight.dtype).flatten(0, -2)
             gradients = [grad_rows.T @ input_rows] + ([grad_rows.sum(0)] if bias else [])
-            grad_piece = layer.sharding.scatter(gradients)
+            grad_piece = layer.sharding.scatter(gradients, layer.piece)
         return grad_input, grad_piece, None
 
 
@@ -145,10 +147,10 @@ class GatheredEmbedding(torch.autograd.Function):
     def forward(ctx, ids, piece, layer):
         ctx.save_for_backward(ids)
         ctx.shape = layer.sharding.shapes[piece][0]
-        ctx.sharding = layer.sharding
+        ctx.sharding, ctx.piece = layer.sharding, piece
         (table,) = layer.sharding.gather(piece, layer.gathered)
         ctx.dtype = table.dtype
-        return F.embedding(ids, table).float()
+        return F.embedding(ids, table).to(piece.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -156,7 +158,7 @@ class GatheredEmbedding(torch.autograd.Function):
         # Summed in the compute dtype, as autograd sums the gradient of a table cast to it.
         grad_table = grad_output.new_zeros(ctx.shape, dtype=ctx.dtype)
         grad_table.index_add_(0, ids.flatten(), grad_output.to(ctx.dtype).flatten(0, -2))
-        return None, ctx.sharding.scatter([grad_table]), None
+        return None, ctx.sharding.scatter([grad_table], ctx.piece), None
 
 
 class GatheredUnit(torch.autograd.Function):
@@ -181,7 +183,7 @@ class GatheredUnit(torch.autograd.Function):
             outputs = unit.run(weights, inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         torch.autograd.backward(outputs, grad_outputs)
-        grad_piece = unit.sharding.scatter([w.grad for w in weights])
+        grad_piece = unit.sharding.scatter([w.grad for w in weights], unit.piece)
         return (grad_piece, None, *[x.grad for x in inputs])
 
 
@@ -297,9 +299,9 @@ class FSDP(nn.Module):
         once. Call it after finish_gradient_synchronization()."""
         pieces = [p.grad for p in self._sharding.shapes if p.grad is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
-        squares = sum((grad.float() ** 2).sum() for grad in pieces) + torch.zeros(())
+        squares = sum((grad ** 2).sum() for grad in pieces) + torch.zeros(())
         dist.all_reduce(squares, group=self.group)
-        squares += sum((grad.float() ** 2).sum() for grad in replicated)
+        squares += sum((grad ** 2).sum() for grad in replicated)
         norm = squares.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in pieces + replicated:
@@ -308,9 +310,9 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def gather_full_params(self) -> dict:
-        """The unsharded module's state: name -> every whole parameter (float32; a tied weight
-        once, under its first name) and buffer, named as in the unsharded module. Every rank
-        must call it: it all-gathers."""
+        """The unsharded module's state: name -> every whole parameter (in the master weights'
+        dtype; a tied weight once, under its first name) and buffer, named as in the unsharded
+        module. Every rank must call it: it all-gathers."""
         full, done = {}, set()
         inside_units = {id(sub) for layer in self.module.modules()
                         if isinstance(layer, ShardedUnit) for sub in layer.module.modules()}

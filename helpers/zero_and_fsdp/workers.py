@@ -168,7 +168,7 @@ def _torch_model(kind, model, unit="block"):
 
 
 def fully_shard_recipe_worker(rank, world_size, model_kwargs, full_state, batches,
-                              max_grad_norm=1.0):
+                              max_grad_norm=1.0, dtype=torch.float32):
     """fully_shard as a model too large for one device needs it: built on the meta device (no
     memory), sharded, then given memory for this rank's pieces only, filled from rank 0's full
     state dict (broadcast, piece by piece); trained with AdamW and gradient clipping; its full
@@ -184,7 +184,7 @@ def fully_shard_recipe_worker(rank, world_size, model_kwargs, full_state, batche
 
     mesh = init_device_mesh("cpu", (world_size,))
     with torch.device("meta"):  # shapes only: no rank ever holds the whole model
-        model = reference.TinyLM(**model_kwargs)
+        model = reference.TinyLM(**model_kwargs).to(dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -1,0 +1,43 @@
+"""helpers.tolerance: the bound and the verdict the notebooks print, against their formulas."""
+
+import torch
+
+from helpers import reference, tolerance
+
+
+def test_the_bound_is_epsilon_times_terms_times_scale_times_steps():
+    assert tolerance.EPSILON == 2.0**-23
+    assert tolerance.float32_bound(256) == 256 * 2.0**-23
+    assert tolerance.float32_bound(24, scale=2.0, steps=8) == 24 * 2.0 * 8 * 2.0**-23
+
+
+def test_the_bound_holds_for_sums_taken_in_other_orders():
+    """Sum 256 unit-sized float32 terms forwards, backwards and in pairs: every order lies within
+    the bound of every other, and of the float64 sum."""
+    terms = reference.seeded_randn(0, 1000, 256).abs() / 256  # sizes add up to about 1 per row
+    orders = [terms.sum(dim=1), terms.flip(1).sum(dim=1),
+              terms.view(1000, 128, 2).sum(dim=2).sum(dim=1),
+              torch.zeros(1000).add_(terms.T.cumsum(0)[-1])]
+    exact = terms.double().sum(dim=1)
+    scale = terms.sum(dim=1).max().item()
+    for order in orders:
+        assert (order.double() - exact).abs().max().item() <= tolerance.float32_bound(256, scale)
+
+
+def test_the_verdict_shows_the_bound_and_never_the_difference():
+    assert tolerance.within(1.234567e-9, tolerance.float32_bound(256)) == "within 3.1e-05: True"
+    assert tolerance.within(0.5, 1e-3) == "within 1.0e-03: False"
+    assert tolerance.within(1e-3, 1e-3) == "within 1.0e-03: True"
+
+
+def test_in_float64_widens_weights_and_floats_and_keeps_token_ids():
+    model, batches = reference.make_lm(), reference.lm_data(steps=2)
+    wide, wide_batches = reference.in_float64(model, batches)
+    for param, wide_param in zip(model.parameters(), wide.parameters()):
+        assert wide_param.dtype == torch.float64
+        torch.testing.assert_close(wide_param, param.double(), rtol=0, atol=0)
+    assert all(torch.equal(a.inputs, b.inputs) and a.inputs.dtype == torch.int64
+               for a, b in zip(wide_batches, batches))
+    assert next(model.parameters()).dtype == torch.float32  # the original is left as it was
+    _, (mlp_batch,) = reference.in_float64(reference.make_mlp(), reference.mlp_data())
+    assert mlp_batch.inputs.dtype == mlp_batch.targets.dtype == torch.float64
