@@ -36,7 +36,7 @@ def grid_worker(rank, world_size, dims, sizes):
 def _mean_over(value: float, group) -> float:
     """The mean of `value` over the ranks of `group` (each data-parallel rank's loss is the mean
     over its slice; the batch's loss is the mean of those)."""
-    value = torch.tensor([value])
+    value = torch.tensor([value], dtype=torch.float64)  # a Python float's own precision
     dist.all_reduce(value, op=dist.ReduceOp.AVG, group=group)
     return value.item()
 
