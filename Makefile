@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab test lint notebooks figures benchmark clean
+.PHONY: setup lab test test-python lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -22,10 +22,29 @@ lab: setup
 # outputs (nbval) with the real-browser test. Two pytest workers (pytest-xdist): much of a test's
 # time is ranks waiting for each other or for a timeout, which the other worker fills. Each
 # notebook's cells stay on one worker, in order (--dist loadfile).
+#
+# Then the same notebooks, and the tests whose results are numbers, again on other CPU kernels:
+# ATEN_CPU_CAPABILITY=default makes PyTorch run its kernels without vector instructions, so every
+# sum rounds as on another CPU. The outputs and tolerances must not care (helpers/tolerance.py).
+NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
+NUMERICAL_TESTS := tests/test_reference.py tests/test_tolerance.py tests/test_collectives.py \
+	tests/test_how_all_reduce_works.py tests/test_data_parallelism.py tests/test_zero_and_fsdp.py \
+	tests/test_tensor_parallelism.py tests/test_pipeline_parallelism.py tests/test_composing.py
+OTHER_CPU := ATEN_CPU_CAPABILITY=default
+
 test: setup lint
 	$(PY) -m pytest -n 2 tests --ignore=tests/test_browser.py
-	$(PY) -m pytest -n 2 --dist loadfile --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
-		$(NOTEBOOKS) tests/test_browser.py
+	$(PY) -m pytest -n 2 --dist loadfile $(NBVAL) $(NOTEBOOKS) tests/test_browser.py
+	$(OTHER_CPU) $(PY) -m pytest -n 2 $(NUMERICAL_TESTS)
+	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) $(NOTEBOOKS)
+
+# Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
+# launcher's tests and one notebook. `make test-python PYTHON=python3.13`
+OTHER_VENV := .venv-$(notdir $(PYTHON))
+test-python:
+	$(MAKE) setup VENV=$(OTHER_VENV)
+	$(OTHER_VENV)/bin/python -m pytest -n 2 tests/test_launcher.py tests/test_spawn.py
+	$(OTHER_VENV)/bin/python -m pytest $(NBVAL) notebooks/01_processes_and_groups.ipynb
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -48,4 +67,4 @@ benchmark: setup
 	$(PY) benchmarks/weights.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-* .pytest_cache
