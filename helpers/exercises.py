@@ -215,6 +215,9 @@ def _compare(got, expected, names=()) -> str | None:
         return f"expected a Python {kind}{how}, got {type(got).__name__} {got!r}"
     if isinstance(expected, int) and not isinstance(got, int):
         return f"expected a Python int, got {type(got).__name__} {got!r}"
+    # A number a learner computes (a norm, a mean loss, a fitted time) may come from float32
+    # sums in another order than the solution's, or from a fit on other points: 1e-4 relative is
+    # hundreds of float32 epsilons (2**-23), while a wrong formula misses by its own size.
     if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
         return f"expected {expected:.6g}, got {got!r}"
     return None
@@ -237,6 +240,9 @@ def _compare_tensors(got, expected) -> str | None:
         return f"expected a tensor, got {type(got).__name__} {got!r}"
     if got.shape != expected.shape:
         return f"expected shape {tuple(expected.shape)}, got shape {tuple(got.shape)}"
+    # Another order of the same float32 sums moves a value by at most about n * epsilon
+    # (helpers.tolerance): 1e-5 is 84 epsilons, the worst case of 84 unit-sized terms, and in
+    # practice far longer sums, whose rounding errors add up like a random walk (~ sqrt(n)).
     wrong = ~torch.isclose(got.to(expected.dtype), expected, rtol=1e-5, atol=1e-5)
     if not wrong.any():
         return None
