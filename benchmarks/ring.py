@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import run
+from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 from helpers.how_all_reduce_works.pipelined_ring import pipelined_ring_all_reduce
-from helpers.how_all_reduce_works.workers import ring_all_reduce
 
 CONTENDERS = {"plain ring": ring_all_reduce, "pipelined ring": pipelined_ring_all_reduce,
               "gloo": dist.all_reduce}

@@ -6,6 +6,7 @@ A parallel strategy is right when it trains *these* models to the same losses an
 same in the kernel and in any rank:
 
     seeded_randn(seed, *shape)              the course's one way to draw random numbers
+    seeded(seed, build)                     build() with torch's RNG seeded, the caller's untouched
     make_mlp(dim, num_layers, seed)         the lecture's GELU MLP stack (CS336 lecture 8)
     make_lm(vocab, dim, heads, layers, ...) a tiny pre-norm transformer language model
     make_block(dim, heads, seed)            one of its blocks
@@ -32,7 +33,7 @@ def seeded_randn(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _seeded(seed: int, build):
+def seeded(seed: int, build):
     """Build a module with torch's global RNG set to `seed`, leaving the caller's RNG untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -57,7 +58,7 @@ class MLP(nn.Module):
 
 def make_mlp(dim: int = 16, num_layers: int = 4, seed: int = 0, bias: bool = False) -> MLP:
     """An MLP whose weights depend only on `seed` (every layer different)."""
-    return _seeded(seed, lambda: MLP(dim, num_layers, bias))
+    return seeded(seed, lambda: MLP(dim, num_layers, bias))
 
 
 class Attention(nn.Module):
@@ -114,7 +115,7 @@ class Block(nn.Module):
 
 def make_block(dim: int = 32, heads: int = 4, seed: int = 0) -> Block:
     """A Block whose weights depend only on `seed`."""
-    return _seeded(seed, lambda: Block(dim, heads))
+    return seeded(seed, lambda: Block(dim, heads))
 
 
 class TinyLM(nn.Module):
@@ -143,7 +144,7 @@ class TinyLM(nn.Module):
 def make_lm(vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2,
             max_seq_len: int = 16, seed: int = 0, tie_weights: bool = False) -> TinyLM:
     """A TinyLM whose weights depend only on `seed`."""
-    return _seeded(seed, lambda: TinyLM(vocab, dim, heads, layers, max_seq_len, tie_weights))
+    return seeded(seed, lambda: TinyLM(vocab, dim, heads, layers, max_seq_len, tie_weights))
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from checker import expect_rejection
 
 from helpers import run
-from helpers.how_all_reduce_works import workers as algorithms
+from helpers.how_all_reduce_works import algorithms, workers
 from helpers.reference import seeded_randn
 
 
@@ -26,7 +26,7 @@ def single_process_sum(numel, seed, world_size):
     (2, 160), (4, 160), (3, 163), (5, 163), (6, 25), (7, 1000), (7, 5),
 ])
 def test_ring_all_reduce_equals_the_sum_and_sends_2_n_minus_1_over_n(world_size, numel, pipelined):
-    out = run(algorithms.ring_all_reduce_worker, world_size, args=(numel, 3, pipelined),
+    out = run(workers.ring_all_reduce_worker, world_size, args=(numel, 3, pipelined),
               show_output=False)
     total = single_process_sum(numel, 3, world_size)
     for result in out:
@@ -44,7 +44,7 @@ def test_ring_all_reduce_equals_the_sum_and_sends_2_n_minus_1_over_n(world_size,
 
 def test_ring_trace_shows_partial_sums_spreading():
     world_size = 4
-    traces = run(algorithms.ring_trace_worker, world_size, show_output=False).results
+    traces = run(workers.ring_trace_worker, world_size, show_output=False).results
     everyone = sum(10.0**r for r in range(world_size))
     assert [len(trace) for trace in traces] == [1 + 2 * (world_size - 1)] * world_size
     for rank, trace in enumerate(traces):
@@ -96,7 +96,7 @@ def tree_bytes(tree, size):
 @pytest.mark.parametrize("double", [False, True])
 def test_tree_all_reduce_equals_the_sum_and_counts_its_bytes(world_size, double):
     numel = 64
-    out = run(algorithms.tree_all_reduce_worker, world_size, args=(numel, 5, double),
+    out = run(workers.tree_all_reduce_worker, world_size, args=(numel, 5, double),
               show_output=False)
     total = single_process_sum(numel, 5, world_size)
     for result in out:
@@ -119,7 +119,7 @@ def test_double_tree_is_more_even_than_one_tree():
     world_size = 6
     busiest = {}
     for double in (False, True):
-        out = run(algorithms.tree_all_reduce_worker, world_size, args=(64, 0, double),
+        out = run(workers.tree_all_reduce_worker, world_size, args=(64, 0, double),
                   show_output=False)
         busiest[double] = max(result["bytes_sent"] for result in out)
     assert busiest[True] < busiest[False]
@@ -127,28 +127,28 @@ def test_double_tree_is_more_even_than_one_tree():
 
 def test_cost_models_follow_their_formulas():
     alpha, beta = 5e-6, 50e9
-    ring = algorithms.ring_seconds(8, 1e6, alpha, beta)
+    ring = workers.ring_seconds(8, 1e6, alpha, beta)
     assert ring == pytest.approx(14 * (alpha + 1e6 / 8 / beta))
-    assert algorithms.recursive_doubling_seconds(8, 1e6, alpha, beta) == pytest.approx(
+    assert workers.recursive_doubling_seconds(8, 1e6, alpha, beta) == pytest.approx(
         3 * alpha + 3 * 1e6 / beta)
-    assert algorithms.halving_doubling_seconds(8, 1e6, alpha, beta) == pytest.approx(
+    assert workers.halving_doubling_seconds(8, 1e6, alpha, beta) == pytest.approx(
         6 * alpha + 1.75 * 1e6 / beta)
-    assert algorithms.tree_seconds(8, 1e6, alpha, beta) == pytest.approx(6 * alpha + 2e6 / beta)
-    for topology in algorithms.TOPOLOGIES:
-        seconds = algorithms.all_reduce_on(topology, 64, 1e8, 5e10)
+    assert workers.tree_seconds(8, 1e6, alpha, beta) == pytest.approx(6 * alpha + 2e6 / beta)
+    for topology in workers.TOPOLOGIES:
+        seconds = workers.all_reduce_on(topology, 64, 1e8, 5e10)
         assert seconds == pytest.approx(2 * 63 / 64 * 1e8 / 5e10)
     hops = {"switch": 1, "2-D torus": math.sqrt(64) / 2, "ring": 64 / 4}
     for topology, h in hops.items():
-        seconds = algorithms.all_to_all_on(topology, 64, 1e8, 5e10)
+        seconds = workers.all_to_all_on(topology, 64, 1e8, 5e10)
         assert seconds == pytest.approx(63 / 64 * 1e8 * h / 5e10)
     with pytest.raises(ValueError, match="unknown topology"):
-        algorithms.all_reduce_on("hypercube", 8, 1e6, 1e9)
+        workers.all_reduce_on("hypercube", 8, 1e6, 1e9)
 
 
 def test_stepper_and_topology_widgets_build():
     from helpers.how_all_reduce_works import widgets
 
-    traces = run(algorithms.ring_trace_worker, 3, show_output=False).results
+    traces = run(workers.ring_trace_worker, 3, show_output=False).results
     stepper = widgets.ring_stepper(traces)
     assert stepper.children[0].max == 4
     explorer = widgets.topology_explorer(16, 10.0, 100.0)
@@ -203,7 +203,7 @@ def binomial_without_adding(rank, world_size, tensor):  # forwards what arrives,
 
 
 def all_reduce_by_ring(rank, world_size, data):  # right sum, but 2(n-1) sends, not log2 n
-    from helpers.how_all_reduce_works.workers import ring_all_reduce
+    from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 
     ring_all_reduce(data)
     return data

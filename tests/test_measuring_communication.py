@@ -1,5 +1,5 @@
-"""Lesson 04 (helpers.measuring_communication): the bandwidth formulas, the alpha-beta fit, the
-benchmark worker, the published figures and the exercises."""
+"""Lesson 04 (helpers.measuring_communication): the benchmark worker, the sweep, the published
+figures and the exercises. The formulas they use are helpers.cost_model's (test_cost_model)."""
 
 import math
 import types
@@ -11,59 +11,13 @@ matplotlib.use("Agg")
 import pytest
 from checker import expect_rejection
 
-from helpers import WorkerError, run
-from helpers.measuring_communication import plots, published
+from helpers import WorkerError, cost_model, published, run
+from helpers.measuring_communication import plots
 from helpers.measuring_communication import workers as bench
 from helpers.measuring_communication.solutions import bus_bandwidth
 
-# nccl-tests' doc/PERFORMANCE.md: all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all
-# (n-1)/n; broadcast, reduce 1. Their values at n = 4 and n = 8:
-FACTOR_AT = {4: {"all_reduce": 1.5, "reduce_scatter": 0.75, "all_gather": 0.75, "all_to_all": 0.75,
-                 "broadcast": 1.0, "reduce": 1.0},
-             8: {"all_reduce": 1.75, "reduce_scatter": 0.875, "all_gather": 0.875,
-                 "all_to_all": 0.875, "broadcast": 1.0, "reduce": 1.0}}
 
-
-@pytest.mark.parametrize("world_size", [4, 8])
-@pytest.mark.parametrize("op", bench.OPERATIONS)
-def test_algbw_and_busbw_follow_nccl_tests(op, world_size):
-    record = bench.bandwidths(op, world_size, 3 * 2**20, 0.002)
-    assert record["algbw"] == pytest.approx(3 * 2**20 / 0.002)
-    assert record["busbw"] == pytest.approx(3 * 2**20 / 0.002 * FACTOR_AT[world_size][op])
-
-
-def test_reduce_scatter_on_the_output_size_is_n_times_too_low():
-    on_input = bench.bandwidths("reduce_scatter", 4, 2**24, 0.01)["busbw"]
-    on_output = bench.bandwidths("reduce_scatter", 4, 2**24 // 4, 0.01)["busbw"]
-    assert on_input / on_output == pytest.approx(4)
-
-
-@pytest.mark.parametrize("relative", [True, False])
-@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
-def test_alpha_beta_fit_recovers_the_parameters_of_synthetic_data(op, relative):
-    alpha, beta, n = 250e-6, 3.5e9, 4
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n}[op]
-    records = [bench.bandwidths(op, n, size, alpha + size * factor / beta)
-               for size in (2**k for k in range(10, 27, 2))]
-    fitted_alpha, fitted_beta = bench.fit_alpha_beta(records, relative=relative)
-    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
-    assert fitted_beta == pytest.approx(beta, rel=1e-6)
-    assert bench.model_seconds(fitted_alpha, fitted_beta, op, n, 2**20) == pytest.approx(
-        alpha + 2**20 * factor / beta)
-
-
-def test_the_fit_in_seconds_lets_one_slow_small_call_move_alpha_less():
-    alpha, beta, n = 1e-3, 2e9, 2
-    sizes = [2**k for k in range(10, 25, 2)]
-    seconds = [alpha + size / beta for size in sizes]
-    seconds[0] *= 0.2  # one small size that happened to be five times quicker
-    records = [bench.bandwidths("all_reduce", n, size, t) for size, t in zip(sizes, seconds)]
-    on_relative = bench.fit_alpha_beta(records)[0]
-    in_seconds = bench.fit_alpha_beta(records, relative=False)[0]
-    assert abs(in_seconds - alpha) < abs(on_relative - alpha)
-
-
-@pytest.mark.parametrize("op", bench.OPERATIONS)
+@pytest.mark.parametrize("op", cost_model.OPERATIONS)
 def test_benchmark_worker_times_every_operation(op):
     out = run(bench.benchmark_worker, 2, args=(op, 4096, 1, 3), show_output=False)
     assert out[0] == out[1]  # the MAX across ranks makes every rank report the same median
@@ -110,7 +64,7 @@ def algbw_not_busbw(op, world_size, size_bytes, seconds):
 
 
 def input_taken_for_the_whole_array(op, world_size, input_bytes, seconds):
-    return input_bytes / seconds * bench.BUSBW_FACTORS[op](world_size)  # wrong for all_gather
+    return input_bytes / seconds * cost_model.BUSBW_FACTORS[op](world_size)  # wrong for all_gather
 
 
 def alpha_and_beta_swapped(size1, seconds1, size2, seconds2):

@@ -14,8 +14,8 @@ from compare import labelled
 from torch import nn
 
 from helpers import WorkerError, exercises, reference, run, spawn
+from helpers.instrument import saved_activations, saved_bytes
 from helpers.pipeline_parallelism import ideal, lecture, plots, schedule, stages, widgets, workers
-from helpers.tensor_parallelism.memory import saved_activations, saved_bytes
 
 LAYERS, WIDTH, BATCH = 8, 16, 24
 

@@ -15,9 +15,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import WorkerError, reference, run, spawn
+from helpers.cost_model import BUSBW_FACTORS
+from helpers.instrument import saved_activations, saved_bytes
 from helpers.tensor_parallelism import checks, cost, lecture, megatron, memory, plots, workers
 from helpers.tensor_parallelism.checks import dense
-from helpers.zero_and_fsdp.sharding import SENT_PER_RANK
 
 B, S, H, HEADS = 2, 8, 32, 4
 
@@ -64,7 +65,7 @@ def test_the_rebuilt_forward_equals_the_dense_one(world_size):
 
 
 def mlp_case(width, bias, seed=0):
-    feed_forward = reference._seeded(seed, lambda: reference.FeedForward(width))
+    feed_forward = reference.seeded(seed, lambda: reference.FeedForward(width))
     if not bias:
         feed_forward.up.bias = feed_forward.down.bias = None
     return (feed_forward, reference.seeded_randn(seed + 1, 3, width),
@@ -118,19 +119,19 @@ def test_the_tensor_parallel_block_equals_the_dense_one(world_size, sequence_par
                                                                  "reduce_scatter_single"))
             if not sequence_parallel:
                 sent = got["sent"][direction]["all_reduce"]
-            assert sent == pytest.approx(2 * SENT_PER_RANK["all_reduce"](world_size)
+            assert sent == pytest.approx(2 * BUSBW_FACTORS["all_reduce"](world_size)
                                          * activations)
         if sequence_parallel:  # 4 LayerNorm parameters and 2 biases of h elements each
             assert got["sent"]["backward"]["all_reduce"] == pytest.approx(
-                6 * SENT_PER_RANK["all_reduce"](world_size) * H * 4)
+                6 * BUSBW_FACTORS["all_reduce"](world_size) * H * 4)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_the_activations_kept_equal_the_formula(sequence_parallel):
     block, inputs, targets = block_case()
-    with memory.saved_activations(block) as saved:
+    with saved_activations(block) as saved:
         block(inputs.clone().requires_grad_())
-    assert memory.saved_bytes(saved) == sum(memory.block_formula(S, B, H, HEADS).values())
+    assert saved_bytes(saved) == sum(memory.block_formula(S, B, H, HEADS).values())
     for world_size in (2, 4):
         out = run(workers.block_worker, world_size,
                   args=(block, inputs, targets, sequence_parallel), show_output=False)
@@ -309,3 +310,25 @@ def sp_linear_gathering_the_batch(rank, world_size, x_tokens, weight_rows, grad_
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)
+
+
+def test_one_plan_cuts_the_block_for_the_hand_built_layers_the_slices_and_pytorch():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    assert megatron.BLOCK_PLAN == {  # Megatron-LM's MLP and attention (the paper's §3)
+        "attention.q": "column", "attention.k": "column", "attention.v": "column",
+        "attention.out": "row", "feed_forward.up": "column", "feed_forward.down": "row"}
+    plan = megatron.torch_plan(sequence_parallel=False)
+    assert {name: type(style) for name, style in plan.items()} == {
+        name: ColwiseParallel if style == "column" else RowwiseParallel
+        for name, style in megatron.BLOCK_PLAN.items()}
+    layers = run(layer_types_worker, 2, show_output=False)[0]
+    assert layers == {name: "ColumnParallelLinear" if style == "column" else "RowParallelLinear"
+                      for name, style in megatron.BLOCK_PLAN.items()}
+    for name, style in [("blocks.1.attention.k", "column"), ("down", "row"), ("norm1", None)]:
+        assert megatron.plan_style(name) == style
+
+
+def layer_types_worker(rank, world_size):
+    parallel = megatron.parallelize_block(reference.make_block(8, 2))
+    return {name: type(parallel.get_submodule(name)).__name__ for name in megatron.BLOCK_PLAN}

@@ -17,6 +17,7 @@ from compare import labelled
 from torch import nn
 
 from helpers import WorkerError, reference, run
+from helpers.instrument import CommCounter
 from helpers.zero_and_fsdp import memory, plots, sharding, widgets, workers
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
@@ -66,7 +67,7 @@ def block_units_worker(rank, world_size):
     model = reference.make_lm(seed=0)
     wrapped = workers.FSDP(model, units=model.blocks)
     batch = reference.lm_data(seed=1, batch_size=8)[0].shard(rank, world_size)
-    with sharding.CommCounter() as counter:
+    with CommCounter() as counter:
         reference.lm_loss(wrapped(batch.inputs), batch.targets).backward()
     return dict(counter.calls), wrapped.gathered.peak
 

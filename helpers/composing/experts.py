@@ -213,7 +213,7 @@ class MoE(nn.Module):
 def make_moe(dim: int = 16, num_experts: int = 4, k: int = 1, capacity_factor=None,
              seed: int = 0) -> MoE:
     """An MoE whose weights depend only on `seed`."""
-    return reference._seeded(seed, lambda: MoE(dim, num_experts, k, capacity_factor))
+    return reference.seeded(seed, lambda: MoE(dim, num_experts, k, capacity_factor))
 
 
 class ExpertParallelMoE(nn.Module):

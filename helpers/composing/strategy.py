@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from helpers.measuring_communication.published import PUBLISHED_LINKS
+from helpers.published import PUBLISHED_LINKS
 from helpers.tensor_parallelism.cost import layer_bytes_sent
 from helpers.zero_and_fsdp.memory import bytes_per_rank
 

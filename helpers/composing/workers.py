@@ -101,7 +101,7 @@ def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from helpers.tensor_parallelism.workers import torch_plan
+    from helpers.tensor_parallelism.megatron import torch_plan
 
     mesh = init_device_mesh("cpu", (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
     model = copy.deepcopy(model)

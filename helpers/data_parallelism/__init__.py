@@ -1,7 +1,8 @@
 """Lesson 06, data parallelism: notebooks/06_data_parallelism.ipynb.
 
 lecture: CS336 lecture 8's data-parallel loop, run as it is. ddp: average_gradients (the naive
-loop) and DDP, a hand-built DistributedDataParallel. workers: run in the ranks (torch only).
+loop) and DDP, a hand-built DistributedDataParallel. step_model: the alpha-beta model of a
+training step's communication. workers: run in the ranks (torch only).
 plots and widgets: drawn in the kernel. exercises: the checked exercises; solutions: their
 reference solutions.
 """

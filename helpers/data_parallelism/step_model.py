@@ -8,7 +8,7 @@ The model's assumptions:
 - one all_reduce runs at a time (they queue on the communicator, as on one NCCL stream; gloo
   has 2 worker threads and may run two at once);
 - an all_reduce of S bytes on n ranks takes alpha + 2(n-1)/n * S / beta: lesson 04's fit
-  (helpers.measuring_communication.workers.model_seconds);
+  (helpers.cost_model.model_seconds);
 - communication and computation do not slow each other down (on a GPU, NCCL's kernels take a
   few of the compute units and some memory bandwidth; on this machine's two cores, gloo's
   threads and the backward pass compete for the cores, which the measurement shows and the
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+from helpers.cost_model import model_seconds
 from helpers.data_parallelism.ddp import bucket_indices
-from helpers.measuring_communication.workers import model_seconds
 
 
 def predict_step(grad_bytes: list, forward_s: float, backward_s: float, step_s: float,

@@ -93,12 +93,12 @@ def data_parallel_worker(rank, world_size, model, batches, strategy="naive", buc
 
 
 def _dropout_model():
-    return reference._seeded(0, lambda: nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5),
+    return reference.seeded(0, lambda: nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5),
                                                       nn.Linear(16, 16)))
 
 
 def _batch_norm_model():
-    return reference._seeded(0, lambda: nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16),
+    return reference.seeded(0, lambda: nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16),
                                                       nn.Linear(16, 16)))
 
 
@@ -221,7 +221,7 @@ def back_to_back_worker(rank, world_size, sizes, repeats=10):
     """The time of one all_reduce of each of `sizes` (bytes) when calls follow each other with
     nothing in between, as DDP's do: `repeats` calls timed together, divided by `repeats` (the
     slowest rank's). Returns lesson 04's records (`bandwidths`), ready for `fit_alpha_beta`."""
-    from helpers.measuring_communication.workers import bandwidths
+    from helpers.cost_model import bandwidths
 
     records = []
     for size in sizes:
@@ -302,7 +302,7 @@ def sampler_worker(rank, world_size, dataset_size, epochs, drop_last):
 def bytes_per_step_worker(rank, world_size, model, batch):
     """One training step whose gradients are averaged by lesson 05's ring all-reduce, which
     counts the bytes it sends. Returns those bytes and the gradients' bytes."""
-    from helpers.how_all_reduce_works.workers import ring_all_reduce
+    from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 
     local = batch.shard(rank, world_size)
     reference.mse_loss(model(local.inputs), local.targets).backward()

@@ -1,4 +1,4 @@
-"""The fast ring all-reduce, for benchmarks/ring.py: the plain ring of `workers.ring_all_reduce`,
+"""The fast ring all-reduce, for benchmarks/ring.py: the plain ring of `algorithms.ring_all_reduce`,
 pipelined in segments and with receive buffers kept between calls.
 
 Read the plain ring first; this one does the same steps and sends the same bytes, 2(n-1)/n of the
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 
 
 def pipelined_ring_all_reduce(tensor, segments=4) -> int:
@@ -22,8 +24,6 @@ def pipelined_ring_all_reduce(tensor, segments=4) -> int:
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     if tensor.numel() < n * segments:  # too small to cut into pieces: the plain ring's job
-        from helpers.how_all_reduce_works.workers import ring_all_reduce
-
         return ring_all_reduce(tensor)
     right, left = (rank + 1) % n, (rank - 1) % n
     pieces = [list(chunk.tensor_split(segments)) for chunk in tensor.tensor_split(n)]

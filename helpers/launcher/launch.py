@@ -33,17 +33,17 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 
 import cloudpickle
 import torch
-import torch.distributed as dist
 import torch.multiprocessing
 
 from helpers.launcher import rank as _rank
 from helpers.launcher import report
 from helpers.launcher.pool import main_module_kept_from_ranks, warm_up
 from helpers.launcher.report import WorkerError, WorkerTimeout
+from helpers.launcher.result import RunResult, default_backend
+from helpers.launcher.torchrun import run_in_place
 
 MAX_WORLD_SIZE = 64
 BACKENDS = ("gloo", "nccl")
@@ -56,45 +56,6 @@ ERROR_GRACE_S = 1.0
 # simply made again, at once; a join that keeps failing is reported like any other error.
 JOIN_RETRIES = 2
 STACK_DUMP_WAIT_S = 1.0
-@dataclass
-class RunResult:
-    """What `run` brings back: `results[r]` is rank r's return value, `stdout[r]` what it
-    printed."""
-
-    results: list
-    stdout: list
-    backend: str
-
-    def __getitem__(self, rank):
-        return self.results[rank]
-
-    def __len__(self):
-        return len(self.results)
-
-    def __iter__(self):
-        return iter(self.results)
-
-    def __repr__(self):
-        return report.format_results(self.results, self.backend)
-
-    def _repr_html_(self):
-        return report.results_html(self.results, self.backend)
-
-
-def default_backend(world_size: int) -> str:
-    """NCCL when there is one GPU per rank, gloo on the CPU otherwise."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
-def get_device(rank: int | None = None) -> torch.device:
-    """The device rank `rank` should put its tensors on: `cuda:<local rank>` under NCCL, else
-    the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else dist.get_rank()))
-        return torch.device("cuda", local % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def run(
@@ -121,8 +82,6 @@ def run(
     outlives `timeout`; in every case no rank survives the call.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from helpers.launcher.torchrun import run_in_place
-
         _warn_ignored_under_torchrun(world_size, show_output, env, threads_per_rank)
         return run_in_place(fn, args, kwargs or {}, backend, timeout)
     return _launch(fn, world_size, args, kwargs, timeout, backend, init_group=init_group,

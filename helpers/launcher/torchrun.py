@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from helpers.launcher.launch import RunResult, default_backend, get_device
+from helpers.launcher.result import RunResult, default_backend, get_device
 
 
 def run_in_place(fn, args=(), kwargs=None, backend=None, timeout=1800) -> RunResult:

@@ -1,8 +1,8 @@
 """Lesson 04, measuring communication: notebooks/04_measuring_communication.ipynb.
 
-workers: timing in the ranks, and the formulas (torch only). published: figures from elsewhere,
-with their sources. plots: drawn in the kernel. exercises: the checked exercises; solutions:
-their reference solutions.
+workers: timing in the ranks (torch only); the formulas are helpers.cost_model's and the published
+figures helpers.published's. plots: drawn in the kernel. exercises: the checked exercises;
+solutions: their reference solutions.
 """
 
 NOTEBOOK = "04_measuring_communication.ipynb"

@@ -1,7 +1,7 @@
 """Lesson 04's exercises, checked by `helpers.exercises.check(name, your_function)`."""
 
+from helpers.cost_model import BUSBW_FACTORS, bandwidths
 from helpers.exercises import Exercise
-from helpers.measuring_communication.workers import BUSBW_FACTORS, bandwidths
 
 
 def _two_level_seconds(size_bytes, nodes, gpus_per_node, intra_bandwidth, inter_bandwidth):

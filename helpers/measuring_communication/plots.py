@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from helpers.cost_model import BUSBW_FACTORS, model_seconds
 from helpers.drawing import color
-from helpers.measuring_communication.workers import BUSBW_FACTORS, model_seconds
 
 
 def _gigabytes(value):

@@ -1,6 +1,6 @@
 """Reference solutions of lesson 04's exercises. Try the exercise first."""
 
-from helpers.measuring_communication.workers import BUSBW_FACTORS
+from helpers.cost_model import BUSBW_FACTORS
 
 
 def bus_bandwidth(op, world_size, input_bytes, seconds):

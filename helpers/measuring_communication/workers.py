@@ -1,12 +1,8 @@
-"""Lesson 04's workers and formulas: timing a collective, algbw and busbw, size sweeps, the
-alpha-beta fit, memory-copy bandwidth.
+"""Lesson 04's workers: timing a collective, size sweeps, memory-copy bandwidth. The bandwidths
+and the alpha-beta model they feed are the course's cost model (helpers.cost_model).
 
-The bandwidths follow nccl-tests (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md): S is the size
-of the whole array (for all_gather the gathered output, for reduce_scatter the input),
-algbw = S / t, and busbw = algbw * factor(n), the factor making busbw comparable with the
-hardware's link bandwidth whatever the collective and the number of ranks. The timing differs
-from nccl-tests' (see benchmark_worker): here every call starts after a barrier and lasts as long
-as its slowest rank, and the median of the calls is kept.
+The timing differs from nccl-tests' (see benchmark_worker): here every call starts after a
+barrier and lasts as long as its slowest rank, and the median of the calls is kept.
 """
 
 from __future__ import annotations
@@ -14,21 +10,11 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from helpers.cost_model import OPERATIONS, bandwidths
 from helpers.launcher import run
-
-BUSBW_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-}
-OPERATIONS = list(BUSBW_FACTORS)
 
 
 def _collective(op, size_bytes, world_size):
@@ -71,13 +57,6 @@ def benchmark_worker(rank, world_size, op, size_bytes, warmup, iterations):
     return float(times.median())
 
 
-def bandwidths(op: str, world_size: int, size_bytes: int, seconds: float) -> dict:
-    """algbw and busbw in bytes/s for one measurement, with nccl-tests' factors."""
-    algbw = size_bytes / seconds
-    return {"op": op, "world_size": world_size, "size_bytes": size_bytes, "seconds": seconds,
-            "algbw": algbw, "busbw": algbw * BUSBW_FACTORS[op](world_size)}
-
-
 def sweep(op, world_size, sizes, warmup=2, iterations=10, progress=None) -> list:
     """Measure `op` at every size (one launch per size; Ctrl-C stops it cleanly between or during
     launches). `progress`, e.g. a helpers.notebook.progress_bar, advances by one per size.
@@ -90,25 +69,6 @@ def sweep(op, world_size, sizes, warmup=2, iterations=10, progress=None) -> list
         if progress is not None:
             progress.value += 1
     return records
-
-
-def fit_alpha_beta(records, relative: bool = True) -> tuple:
-    """Fit t = alpha + S_bus / beta (the alpha-beta model) to measurements, where S_bus = S *
-    factor(n) is the data each rank must move. Least squares on the *relative* error by default,
-    so the microsecond-scale small messages count as much as the large ones; `relative=False`
-    minimises the error in seconds, the right choice for predicting the sum of many calls.
-    Returns (alpha seconds, beta bytes/s)."""
-    bus_bytes = np.array([r["busbw"] / r["algbw"] * r["size_bytes"] for r in records])
-    seconds = np.array([r["seconds"] for r in records])
-    weights = 1 / seconds if relative else np.ones_like(seconds)
-    design = np.stack([np.ones_like(bus_bytes), bus_bytes], axis=1) * weights[:, None]
-    (alpha, inverse_beta), *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
-    return float(alpha), float(1 / inverse_beta)
-
-
-def model_seconds(alpha, beta, op, world_size, size_bytes):
-    """The alpha-beta model's time for `op` on an array of `size_bytes`."""
-    return alpha + size_bytes * BUSBW_FACTORS[op](world_size) / beta
 
 
 def memory_copy_bandwidth(size_bytes=64 * 2**20, repeats=7) -> float:

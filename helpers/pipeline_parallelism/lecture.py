@@ -2,7 +2,7 @@
 
 `pipeline_parallelism_main` is the lecture's code as lecture_08.py in
 github.com/stanford-cs336/spring2025-lectures has it; `setup`, `cleanup` and the small helpers
-are lesson 06's (helpers.data_parallelism.lecture). Its `get_init_params` reseeds at every call,
+are helpers.cs336's. Its `get_init_params` reseeds at every call,
 so every layer of every rank is the same matrix: the pipeline is a slice of a dense stack of
 identical layers, and its forward is that stack's.
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers.data_parallelism.lecture import (  # noqa: F401 (the lecture's names)
+from helpers.cs336 import (  # noqa: F401 (the lecture's names)
     cleanup,
     get_device,
     get_init_params,

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.tensor_parallelism.memory import saved_activations, saved_bytes
+from helpers.instrument import saved_activations, saved_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]

@@ -2,9 +2,11 @@
 
 lecture: CS336 lecture 8's tensor-parallel forward, run as it is, and rebuilt from slices of one
 weight. megatron: the conjugate operators f and g, ColumnParallelLinear, RowParallelLinear and a
-tensor-parallel transformer block, with sequence parallelism. memory: the activations a rank
-keeps for backward, measured and by formula. workers: run in the ranks (torch only). plots and
-widgets: drawn in the kernel. exercises: the checked exercises; solutions: their reference
+tensor-parallel transformer block, with sequence parallelism, and BLOCK_PLAN, which says how
+the block is cut. memory: the activations a rank keeps for backward, by formula. cost: FLOPs and
+bytes of a layer, and projections onto published hardware. checks: the dense module in one
+process, and how far each rank is from it (in the kernel). workers: run in the ranks (torch
+only). plots: drawn in the kernel. exercises: the checked exercises; solutions: their reference
 solutions.
 """
 

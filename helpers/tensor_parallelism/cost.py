@@ -17,7 +17,7 @@ overlap; real runs reach less of both.
 
 from __future__ import annotations
 
-from helpers.measuring_communication.published import PUBLISHED_FLOPS, PUBLISHED_LINKS
+from helpers.published import PUBLISHED_FLOPS, PUBLISHED_LINKS
 
 
 def layer_flops(s: int, b: int, h: int) -> float:

@@ -2,7 +2,7 @@
 
 `tensor_parallelism_main` is the lecture's code as the course's source notes give it (Stanford
 CS336, spring 2025, lecture 8; github.com/stanford-cs336/spring2025-lectures); its `setup`,
-`cleanup` and small helpers are lesson 06's (helpers.data_parallelism.lecture). Every rank draws
+`cleanup` and small helpers are helpers.cs336's. Every rank draws
 its slice with `get_init_params(num_dim, local_num_dim, rank)`, which reseeds to 0 at every call:
 every rank draws the same num_dim x local_num_dim matrix, so the ranks' slices are copies of one
 another, not slices of a full weight, and the output is not any dense model's.
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers.data_parallelism.lecture import (  # noqa: F401 (the lecture's names)
+from helpers.cs336 import (  # noqa: F401 (the lecture's names)
     cleanup,
     get_device,
     get_init_params,

@@ -194,12 +194,37 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# The course's Block cut for tensor parallelism, once: each Linear by its name in the Block, and
+# how it is cut. "column": ColumnParallelLinear (its output features split), "row":
+# RowParallelLinear (its input features split). The hand-built layers, the gradient slices and
+# PyTorch's plan (torch_plan) all follow it.
+BLOCK_PLAN = {"attention.q": "column", "attention.k": "column", "attention.v": "column",
+              "attention.out": "row", "feed_forward.up": "column", "feed_forward.down": "row"}
+
+
+def plan_style(layer: str) -> str | None:
+    """"column", "row" or None (not cut) for a layer named as in a Block (`attention.q`), in a
+    model of Blocks (`blocks.0.attention.q`) or in a FeedForward alone (`up`)."""
+    for name, style in BLOCK_PLAN.items():
+        if layer == name or layer.endswith("." + name) or name.endswith("." + layer):
+            return style
+    return None
+
+
+def _parallel_layer(linear: nn.Linear, style: str, group, copy_input: bool,
+                    sequence_parallel: bool) -> nn.Module:
+    if style == "column":
+        return ColumnParallelLinear(linear, group, copy_input=copy_input)
+    return RowParallelLinear(linear, group, sequence_parallel)
+
+
 def parallelize_feed_forward(feed_forward: nn.Module, group=None) -> nn.Module:
-    """A copy of a reference FeedForward (up, GeLU, down) with `up` column-parallel (it applies f)
-    and `down` row-parallel (it applies g): the paper's MLP."""
+    """A copy of a reference FeedForward (up, GeLU, down) cut as BLOCK_PLAN says, `up`
+    column-parallel (it applies f) and `down` row-parallel (it applies g): the paper's MLP."""
     feed_forward = copy.deepcopy(feed_forward)
-    feed_forward.up = ColumnParallelLinear(feed_forward.up, group)
-    feed_forward.down = RowParallelLinear(feed_forward.down, group)
+    for name in ("up", "down"):
+        setattr(feed_forward, name, _parallel_layer(getattr(feed_forward, name),
+                                                    plan_style(name), group, True, False))
     return feed_forward
 
 
@@ -227,12 +252,12 @@ def parallelize_block(block: nn.Module, group=None, sequence_parallel: bool = Fa
     summed over the ranks in backward."""
     block = copy.deepcopy(block)
     attention, feed_forward = block.attention, block.feed_forward
-    for name in ("q", "k", "v"):
-        setattr(attention, name, ColumnParallelLinear(getattr(attention, name), group,
-                                                      copy_input=False))
-    attention.out = RowParallelLinear(attention.out, group, sequence_parallel)
-    feed_forward.up = ColumnParallelLinear(feed_forward.up, group, copy_input=False)
-    feed_forward.down = RowParallelLinear(feed_forward.down, group, sequence_parallel)
+    for name, style in BLOCK_PLAN.items():  # each region's f comes once, from the hook below
+        region, _, layer = name.rpartition(".")
+        parent = block.get_submodule(region)
+        setattr(parent, layer, _parallel_layer(getattr(parent, layer), style, group,
+                                               copy_input=False,
+                                               sequence_parallel=sequence_parallel))
     enter = gather_sequence if sequence_parallel else f
     for region in (attention, feed_forward):
         region.register_forward_pre_hook(lambda module, args: (enter(args[0], group),))
@@ -249,10 +274,33 @@ def shard_of_gradient(name: str, full: torch.Tensor, rank: int, world_size: int)
     module, that rank `rank`'s parallel copy holds: rows for column-parallel layers, columns for
     row-parallel weights, all of it for the rest (LayerNorms, row-parallel biases)."""
     layer, _, kind = name.rpartition(".")
-    column = layer.split(".")[-1] in ("q", "k", "v", "up")
-    row = layer.split(".")[-1] in ("out", "down") and kind == "weight"
-    if column:
+    style = plan_style(layer)
+    if style == "column":
         return full.chunk(world_size, dim=0)[rank]
-    if row:
+    if style == "row" and kind == "weight":
         return full.chunk(world_size, dim=1)[rank]
     return full
+
+
+def torch_plan(sequence_parallel: bool) -> dict:
+    """BLOCK_PLAN for PyTorch's parallelize_module, as the tensor-parallel tutorial writes one for
+    a Llama block: "column" layers ColwiseParallel, "row" layers RowwiseParallel; with sequence
+    parallelism the LayerNorms run on each rank's tokens, and attention and the MLP gather them
+    first."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    output = Shard(1) if sequence_parallel else Replicate()
+    plan = {name: ColwiseParallel() if style == "column" else RowwiseParallel(
+        output_layouts=output) for name, style in BLOCK_PLAN.items()}
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),),
+                                    desired_input_layouts=(Replicate(),))
+        plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
+                 "attention": gather, "feed_forward": gather}
+    return plan

@@ -18,11 +18,6 @@ counts its own tensors the same way: elements of (b, s, h) that each operation s
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
-from torch import nn
-
 # Tensors of b x s x h elements that the course's Block saves for backward, by where they are.
 # Outside the parallel regions (whole on every rank without sequence parallelism):
 OUTSIDE = {"norm1's input (the block's input)": 1, "q, k, v's input (norm1's output)": 1,
@@ -60,26 +55,3 @@ def block_formula(s: int, b: int, h: int, a: int, t: int = 1,
     inside = sum(INSIDE.values()) * sbh / t
     statistics = 2 * 2 * b * s / shard + b * a * s / t
     return {"outside": 4 * outside, "inside": 4 * inside, "statistics": 4 * statistics}
-
-
-@contextlib.contextmanager
-def saved_activations(module: nn.Module):
-    """While active, records every tensor autograd saves for backward, except `module`'s
-    parameters (the weights a layer keeps are not activations): yields a list of
-    (storage pointer, bytes); count each storage once (`saved_bytes`)."""
-    parameters = {param.untyped_storage().data_ptr() for param in module.parameters()}
-    saved = []
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved.append((storage.data_ptr(), storage.nbytes()))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield saved
-
-
-def saved_bytes(saved: list) -> int:
-    """The bytes of the distinct storages in a `saved_activations` record."""
-    return sum(dict(saved).values())

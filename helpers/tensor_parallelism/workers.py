@@ -17,13 +17,13 @@ import time
 import torch.distributed as dist
 
 from helpers import reference
+from helpers.instrument import CommCounter, saved_activations, saved_bytes
 from helpers.tensor_parallelism.megatron import (
     parallelize_block,
     parallelize_feed_forward,
     sequence_shard,
+    torch_plan,
 )
-from helpers.tensor_parallelism.memory import saved_activations, saved_bytes
-from helpers.zero_and_fsdp.sharding import CommCounter
 
 
 def _local(tensor, rank, world_size, sequence_parallel):
@@ -66,32 +66,6 @@ def block_worker(rank, world_size, block, inputs, targets, sequence_parallel=Fal
                             targets.numel())
 
 
-def torch_plan(sequence_parallel: bool) -> dict:
-    """PyTorch's plan for the course's Block, as the tensor-parallel tutorial writes one for a
-    Llama block: q, k, v and up column-wise, out and down row-wise; with sequence parallelism the
-    LayerNorms run on each rank's tokens, and attention and the MLP gather them first."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    output = Shard(1) if sequence_parallel else Replicate()
-    plan = {"attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(),
-            "attention.v": ColwiseParallel(), "attention.out": RowwiseParallel(
-                output_layouts=output),
-            "feed_forward.up": ColwiseParallel(),
-            "feed_forward.down": RowwiseParallel(output_layouts=output)}
-    if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),),
-                                    desired_input_layouts=(Replicate(),))
-        plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
-                 "attention": gather, "feed_forward": gather}
-    return plan
-
-
 def torch_block_worker(rank, world_size, block, inputs, targets, sequence_parallel=False):
     """The same block through PyTorch's parallelize_module on a 1-D DeviceMesh. Returns what
     block_worker does (no counts), each gradient as this rank's piece, and each gradient's
@@ -120,22 +94,6 @@ def torch_block_worker(rank, world_size, block, inputs, targets, sequence_parall
             "placements": placements}
 
 
-def _timing_collectives(seconds: list):
-    """Patches torch.distributed's three collectives to add each call's seconds to `seconds`."""
-    saved = {}
-    for name in ("all_reduce", "all_gather_single", "reduce_scatter_single"):
-        original = saved[name] = getattr(dist, name)
-
-        def timed(*args, original=original, **kwargs):
-            started = time.perf_counter()
-            result = original(*args, **kwargs)
-            seconds.append(time.perf_counter() - started)
-            return result
-
-        setattr(dist, name, timed)
-    return saved
-
-
 def communication_share_worker(rank, world_size, dim, heads, batch, seq_len, iterations):
     """Forward and backward of a tensor-parallel Block of width `dim`, `iterations` times after a
     warm-up; each step starts after a barrier. Returns the median step seconds and the median
@@ -144,13 +102,10 @@ def communication_share_worker(rank, world_size, dim, heads, batch, seq_len, ite
     inputs = reference.seeded_randn(1, batch, seq_len, dim)
     steps, communication = [], []
     for _ in range(iterations + 1):
-        seconds = []
-        saved = _timing_collectives(seconds)
         dist.barrier()
-        started = time.perf_counter()
-        block(inputs).square().mean().backward()
-        steps.append(time.perf_counter() - started)
-        for name, original in saved.items():
-            setattr(dist, name, original)
-        communication.append(sum(seconds))
+        with CommCounter() as counter:
+            started = time.perf_counter()
+            block(inputs).square().mean().backward()
+            steps.append(time.perf_counter() - started)
+        communication.append(sum(counter.seconds.values()))
     return statistics.median(steps[1:]), statistics.median(communication[1:])

@@ -16,11 +16,11 @@ from torch import nn
 
 from helpers import reference
 from helpers.data_parallelism.ddp import average_gradients
+from helpers.instrument import CommCounter
 from helpers.timing import timed_step
 from helpers.zero_and_fsdp.fsdp import FSDP
 from helpers.zero_and_fsdp.memory import held_bytes
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
-from helpers.zero_and_fsdp.sharding import CommCounter
 
 # The course's optimizers (reference.make_optimizer), as a class and its settings, for the
 # ShardedOptimizer, which builds its own inner optimizer.

@@ -1,5 +1,5 @@
-"""Figures published elsewhere that lessons 04 and 08 set beside their measurements. None is
-measured here.
+"""Figures published elsewhere that lessons 04, 08 and 10 set beside their measurements and
+projections. None is measured here.
 
 Every number is copied exactly from the file named, at the commit named, of S. Bekman's "Machine
 Learning Engineering Open Book" (github.com/stas00/ml-engineering). Its units: 1 KiB = 2**10

@@ -1,0 +1,54 @@
+"""What `run` returns, and the two facts both launchers share: which backend a run uses and
+which device a rank computes on. Kernel side and rank side alike (torchrun runs a worker in the
+process that launched it)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from helpers.launcher import report
+
+
+@dataclass
+class RunResult:
+    """What `run` brings back: `results[r]` is rank r's return value, `stdout[r]` what it
+    printed."""
+
+    results: list
+    stdout: list
+    backend: str
+
+    def __getitem__(self, rank):
+        return self.results[rank]
+
+    def __len__(self):
+        return len(self.results)
+
+    def __iter__(self):
+        return iter(self.results)
+
+    def __repr__(self):
+        return report.format_results(self.results, self.backend)
+
+    def _repr_html_(self):
+        return report.results_html(self.results, self.backend)
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when there is one GPU per rank, gloo on the CPU otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def get_device(rank: int | None = None) -> torch.device:
+    """The device rank `rank` should put its tensors on: `cuda:<local rank>` under NCCL, else
+    the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else dist.get_rank()))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")

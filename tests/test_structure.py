@@ -1,0 +1,117 @@
+"""The package's shape, checked: no import cycles; a lesson imports another lesson only for a
+strategy the course builds on; the ranks never load matplotlib or ipywidgets; each lesson's
+docstring names exactly its files."""
+
+import ast
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import lessons
+
+HELPERS = pathlib.Path(__file__).resolve().parent.parent / "helpers"
+LESSONS = {lesson.package.split(".")[-1] for lesson in lessons.lessons()}
+
+# Where a later lesson builds on an earlier lesson's strategy, as the course says it does:
+# (importing lesson, imported module). Shared tools live in helpers/ itself, never here.
+BUILDS_ON = {
+    ("zero_and_fsdp", "data_parallelism.ddp"),  # ZeRO stage 0 is lesson 06's data parallelism
+    ("composing", "data_parallelism.ddp"),  # DDP around tensor-parallel blocks; its buckets
+    ("composing", "tensor_parallelism.megatron"),  # lesson 08's blocks and plan on a mesh
+    ("composing", "pipeline_parallelism.schedule"),  # lesson 09's pipeline_step on a mesh
+    ("composing", "zero_and_fsdp.memory"),  # the projection: lesson 07's memory formulas
+    ("composing", "tensor_parallelism.cost"),  # the projection: lesson 08's bytes per layer
+    ("data_parallelism", "how_all_reduce_works.algorithms"),  # lesson 05's ring, on gradients
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(HELPERS.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: pathlib.Path) -> set:
+    """Every helpers module `path` imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("helpers"):
+            for alias in node.names:  # `from helpers.x import y`: y may be a module itself
+                child = f"{node.module}.{alias.name}"
+                found.add(child if (HELPERS.parent / child.replace(".", "/")).with_suffix(
+                    ".py").exists() else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("helpers")}
+    return found
+
+
+GRAPH = {module_name(path): imports_of(path) for path in HELPERS.rglob("*.py")}
+
+
+def lesson_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in LESSONS else None
+
+
+def test_no_module_imports_itself_through_others():
+    # `helpers` and `helpers.launcher` (packages whose __init__ re-exports) are where every
+    # module starts; a cycle through them is every module's, so they are left out
+    packages = {"helpers", "helpers.launcher"}
+    graph = {module: {m for m in deps if m in GRAPH and m not in packages} - {module}
+             for module, deps in GRAPH.items() if module not in packages}
+    done, on_path = set(), []
+
+    def visit(module):
+        if module in on_path:
+            cycle = on_path[on_path.index(module):] + [module]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        on_path.append(module)
+        for dependency in sorted(graph[module]):
+            visit(dependency)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_a_lesson_imports_another_only_for_a_strategy_it_builds_on():
+    crossings = {(lesson_of(module), dependency.removeprefix("helpers."))
+                 for module, deps in GRAPH.items() for dependency in deps
+                 if lesson_of(module) and lesson_of(dependency)
+                 and lesson_of(dependency) != lesson_of(module)}
+    assert crossings - BUILDS_ON == set(), "move what they share into helpers/"
+    assert BUILDS_ON - crossings == set(), "a declared crossing that no longer exists"
+
+
+KERNEL_SIDE = re.compile(r"(plots|widgets|drawing|notebook|exercises|lessons)$")
+
+
+def test_the_ranks_never_load_matplotlib_or_ipywidgets():
+    """Every module a rank may import, imported alone in a fresh interpreter."""
+    rank_side = sorted(module for module in GRAPH
+                       if not KERNEL_SIDE.search(module) and "exercises" not in module)
+    code = ("import importlib, sys\n"
+            f"for name in {rank_side!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in ('matplotlib', 'ipywidgets') if m in sys.modules))")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               cwd=HELPERS.parent, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("lesson", sorted(LESSONS))
+def test_a_lessons_docstring_names_exactly_its_files(lesson):
+    folder = HELPERS / lesson
+    files = {path.stem for path in folder.glob("*.py")} - {"__init__"}
+    docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+    body = " ".join(docstring.split("\n", 1)[1].split())  # after the title line
+    # Each file is introduced as "name:" or "name and other:" in the docstring's body.
+    named = set(re.findall(r"\b(\w+)(?= and \w+:|:)", body))
+    named |= set(re.findall(r"\band (\w+):", body))
+    assert named == files
