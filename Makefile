@@ -24,8 +24,9 @@ lab: setup
 # notebook's cells stay on one worker, in order (--dist loadfile).
 #
 # Then the same notebooks, and the tests whose results are numbers, again on other CPU kernels:
-# ATEN_CPU_CAPABILITY=default makes PyTorch run its kernels without vector instructions, so every
-# sum rounds as on another CPU. The outputs and tolerances must not care (helpers/tolerance.py).
+# ATEN_CPU_CAPABILITY=default makes PyTorch run its kernels without vector instructions, which sum
+# and round in other orders, as another CPU would. The outputs and tolerances must not care
+# (helpers/tolerance.py).
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 NUMERICAL_TESTS := tests/test_reference.py tests/test_tolerance.py tests/test_collectives.py \
 	tests/test_how_all_reduce_works.py tests/test_data_parallelism.py tests/test_zero_and_fsdp.py \

@@ -1,29 +1,38 @@
 """How near a parallel result must be to one process's to count as equal, and why.
 
-Both compute the same function in float32; they differ in the order of their sums. A matmul cut
+Both compute the same function in float32; they differ in the order of their sums (a matmul cut
 over ranks adds its partial products in another order, an all-reduce adds the ranks' values in its
-own order, and another CPU (or `ATEN_CPU_CAPABILITY`) sums with another vector width. Each order
-rounds differently. Two orders of a sum of n terms differ by at most about n·ε·Σ|terms|, with
-ε = 2⁻²³ ≈ 1.19e-7, float32's machine epsilon (each order is within (n − 1)·ε/2·Σ|terms| of the
-exact sum: Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., 2002, §4.2). So:
+own order) and, on another CPU or under `ATEN_CPU_CAPABILITY`, in how vectorised kernels sum and
+round exp or erf. Each rounds differently. To first order in ε, two orders of a sum of n terms
+differ by at most n·ε·Σ|terms|, with ε = 2⁻²³ ≈ 1.19e-7, float32's machine epsilon (each order is
+within (n − 1)·ε/2·Σ|terms| of the exact sum: Higham, *Accuracy and Stability of Numerical
+Algorithms*, 2nd ed., 2002, §4.2). So:
 
-    float32_bound(terms, scale, steps)   ε × terms × scale × steps: the largest difference that
-                                         rounding explains, for values whose terms' sizes add up
-                                         to `scale`, after `steps` such sums in a row
+    float32_bound(terms, scale, steps)   ε × terms × scale × steps: for values of size `scale`
+                                         (their terms' sizes adding up to about as much), each a
+                                         sum of at most `terms` terms, after `steps` such sums
+                                         in a row (a rough allowance there: each layer also
+                                         scales the error it receives)
     within(difference, bound)            the verdict a notebook prints: "within 3.1e-05: True"
+    agree(pairs, terms, steps)           every (got, expected) tensor within the bound scaled
+                                         to that tensor's own size: True or False
+    relative_verdict(ok, terms, steps)   how a notebook prints agree's answer
 
-A wrong algorithm (a missing average, a wrong slice, a gradient added twice) moves a result by its
-own size, orders of magnitude above such a bound.
+A wrong algorithm (a missing average, a wrong slice, a gradient added twice) moves a result by
+its own size: far above a bound scaled to that size, which is why a bound must be scaled to the
+values compared (a gradient of size 1e-5 next to an absolute 1e-5 bound proves nothing).
 
 An optimizer can amplify rounding beyond any useful bound. AdamW divides each step by the
-gradient's running size, so a weight whose gradient is nearly zero (terms that cancel, each
-rounded) moves by up to lr in a direction that rounding decides. Where two training runs must be
-equal step after step, the course compares them in float64 (`reference.in_float64`): there ε is
-2²⁹ ≈ 5e8 times finer, and `torch.testing.assert_close`'s float64 default (rtol 1e-7, atol 1e-7)
-holds with many orders of magnitude to spare. Comparisons of one forward and backward in float32
-use assert_close's float32 default (rtol 1.3e-6, atol 1e-5), which the course's sizes (sums of at
-most a few thousand unit-sized terms, whose rounding errors add up like a random walk, ~ε·√n)
-stay well inside.
+gradient's running size plus eps = 1e-8: for a gradient that is nearly zero (terms that cancel,
+each rounded), float32 rounding (about 1e-7 of the terms' size) is larger than eps, and the step,
+up to lr, goes where rounding sends it. Where two training runs must be equal step after step,
+the course compares them in float64 (`reference.in_float64`): there rounding (about 1e-16 of the
+terms' size) stays far below eps, each step can move a weight by only about lr × rounding / eps,
+and `torch.testing.assert_close`'s float64 default (rtol 1e-7, atol 1e-7) holds; the course's
+runs of 5 to 10 steps stay below 1e-13. Comparisons of one forward and backward in float32 use
+assert_close's float32 default (rtol 1.3e-6, atol 1e-5): for the course's sums of at most a few
+thousand terms whose sizes add up to about 1, typical rounding (~ε·√n, about 1e-5 at most) fits;
+that is not a guarantee, and the tests check it on two sets of kernels (`make test`).
 """
 
 from __future__ import annotations
@@ -35,8 +44,8 @@ EPSILON = torch.finfo(torch.float32).eps  # 2**-23
 
 def float32_bound(terms: int, scale: float = 1.0, steps: int = 1) -> float:
     """ε × terms × scale × steps: how far two float32 computations of the same values may
-    differ, when each value is a sum of at most `terms` terms whose sizes add up to `scale`,
-    and `steps` such sums feed one another."""
+    differ, when the values are of size `scale`, each a sum of at most `terms` terms, and
+    `steps` such sums feed one another."""
     return EPSILON * terms * scale * steps
 
 
@@ -44,3 +53,17 @@ def within(difference: float, bound: float) -> str:
     """A verdict that reads the same on every machine: "within 3.1e-05: True". The measured
     `difference` itself is rounding noise, and is never printed."""
     return f"within {bound:.1e}: {difference <= bound}"
+
+
+def agree(pairs, terms: int, steps: int = 1) -> bool:
+    """Whether every (got, expected) pair of tensors differs by at most float32_bound(terms,
+    scale, steps), with `scale` the largest magnitude in either: each tensor measured against
+    its own size, a gradient of 1e-5 as strictly as an output of 1."""
+    return all((got - expected).abs().max().item() <= float32_bound(
+        terms, max(got.abs().max().item(), expected.abs().max().item()), steps)
+        for got, expected in pairs)
+
+
+def relative_verdict(ok: bool, terms: int, steps: int = 1) -> str:
+    """How a notebook prints `agree`'s answer: "within 256 ε of each tensor's size: True"."""
+    return f"within {terms * steps} ε of each tensor's size: {ok}"

@@ -460,6 +460,9 @@ def test_the_pictures_and_the_widget_draw():
                plots.plot_bucketing({"a": 0.01}, {"a": 0.012}),
                plots.plot_step_times({"naive": 0.1, "bucketed": 0.05}, 2)]
     assert all(fig.axes for fig in figures)
+    # a difference within the tolerance is labelled by the bound, not by its noise digits
+    labels = {text.get_text() for text in figures[3].axes[0].texts}
+    assert "≤ 1e-05" in labels and "1.0e-01" in labels and "1.0e-08" not in labels
     # the all_reduce lane: one bar per completion, the second starting when the first ended
     comm_bars = [value for patch in figures[0].axes[0].patches
                  if patch.get_y() == pytest.approx(0.8 - 0.35)

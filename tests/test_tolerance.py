@@ -41,3 +41,21 @@ def test_in_float64_widens_weights_and_floats_and_keeps_token_ids():
     assert next(model.parameters()).dtype == torch.float32  # the original is left as it was
     _, (mlp_batch,) = reference.in_float64(reference.make_mlp(), reference.mlp_data())
     assert mlp_batch.inputs.dtype == mlp_batch.targets.dtype == torch.float64
+
+
+def test_agree_measures_each_tensor_against_its_own_size():
+    gradient = reference.seeded_randn(1, 64, 24) * 1e-6  # small, like a first layer's gradient
+    reordered = (gradient.double().T.flip(0).cumsum(0)[-1]).float()
+    summed = gradient.sum(dim=1)
+    assert (reordered - summed).abs().max() > 0  # another order does round differently
+    assert tolerance.agree([(reordered, summed)], terms=24)
+    # a gradient lost altogether is far below an absolute 1e-5, but not within its own size
+    assert tolerance.float32_bound(24, steps=8) > summed.abs().max()
+    assert not tolerance.agree([(torch.zeros_like(summed), summed)], terms=24, steps=8)
+    assert not tolerance.agree([(summed, summed), (2 * summed, summed)], terms=24)
+
+
+def test_the_relative_verdict_names_the_bound_in_epsilons():
+    assert tolerance.relative_verdict(True, 256) == "within 256 ε of each tensor's size: True"
+    assert tolerance.relative_verdict(False, 24, steps=8) == (
+        "within 192 ε of each tensor's size: False")
