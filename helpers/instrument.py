@@ -7,7 +7,7 @@
     saved_activations(module)  while active, records the tensors autograd saves for backward
     saved_bytes(saved)         their bytes, each storage once
 
-Both are rank-side: they import neither matplotlib nor the launcher.
+Both are rank-side: they import neither matplotlib nor ipywidgets.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ class CommCounter:
     def __init__(self):
         self.sent = dict.fromkeys(self.ARRAY, 0.0)
         self.calls = dict.fromkeys(self.ARRAY, 0)
-        self.seconds = dict.fromkeys(self.ARRAY, 0.0)  # inside the calls (gloo's are synchronous)
+        # seconds inside the calls: the whole collective for gloo's synchronous calls, only the
+        # launch for one called with async_op=True
+        self.seconds = dict.fromkeys(self.ARRAY, 0.0)
         self._saved = {}
 
     @property

@@ -13,7 +13,7 @@ Algorithms*, 2nd ed., 2002, §4.2). So:
                                          sum of at most `terms` terms, after `steps` such sums
                                          in a row (a rough allowance there: each layer also
                                          scales the error it receives)
-    within(difference, bound)            the verdict a notebook prints: "within 3.1e-05: True"
+    within(difference, bound)            the verdict a notebook prints: "within 10⁻⁷: True"
     agree(pairs, terms, steps)           every (got, expected) tensor within the bound scaled
                                          to that tensor's own size: True or False
     relative_verdict(ok, terms, steps)   how a notebook prints agree's answer
@@ -50,9 +50,17 @@ def float32_bound(terms: int, scale: float = 1.0, steps: int = 1) -> float:
 
 
 def within(difference: float, bound: float) -> str:
-    """A verdict that reads the same on every machine: "within 3.1e-05: True". The measured
-    `difference` itself is rounding noise, and is never printed."""
-    return f"within {bound:.1e}: {difference <= bound}"
+    """A verdict that reads the same on every machine: "within 10⁻⁷: True", "within 3.1 × 10⁻⁵:
+    False". The measured `difference` itself is rounding noise, and is never printed."""
+    return f"within {power_of_ten(bound)}: {difference <= bound}"
+
+
+def power_of_ten(value: float) -> str:
+    """1e-07 as "10⁻⁷", 3.05e-05 as "3.1 × 10⁻⁵": a bound, written so that it does not read
+    like a measured number."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    power = "10" + str(int(exponent)).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
+    return power if mantissa == "1.0" else f"{mantissa} × {power}"
 
 
 def agree(pairs, terms: int, steps: int = 1) -> bool:

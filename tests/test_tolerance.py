@@ -25,9 +25,12 @@ def test_the_bound_holds_for_sums_taken_in_other_orders():
 
 
 def test_the_verdict_shows_the_bound_and_never_the_difference():
-    assert tolerance.within(1.234567e-9, tolerance.float32_bound(256)) == "within 3.1e-05: True"
-    assert tolerance.within(0.5, 1e-3) == "within 1.0e-03: False"
-    assert tolerance.within(1e-3, 1e-3) == "within 1.0e-03: True"
+    assert tolerance.within(1.234567e-9, tolerance.float32_bound(256)) == (
+        "within 3.1 × 10⁻⁵: True")
+    assert tolerance.within(0.5, 1e-3) == "within 10⁻³: False"
+    assert tolerance.within(1e-3, 1e-3) == "within 10⁻³: True"
+    assert tolerance.within(0.0, 1e-7) == "within 10⁻⁷: True"
+    assert tolerance.power_of_ten(2.5e12) == "2.5 × 10¹²"
 
 
 def test_in_float64_widens_weights_and_floats_and_keeps_token_ids():
