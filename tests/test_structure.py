@@ -3,6 +3,7 @@ strategy the course builds on; the ranks never load matplotlib or ipywidgets; ea
 docstring names exactly its files."""
 
 import ast
+import json
 import pathlib
 import re
 import subprocess
@@ -115,3 +116,15 @@ def test_a_lessons_docstring_names_exactly_its_files(lesson):
     named = set(re.findall(r"\b(\w+)(?= and \w+:|:)", body))
     named |= set(re.findall(r"\band (\w+):", body))
     assert named == files
+
+
+def test_notebooks_use_no_private_name():
+    """What a notebook shows or calls is the course's public face: no `module._name`."""
+    private = re.compile(r"\b[A-Za-z]\w*(?:\.\w+)*\._[A-Za-z]\w*")
+    found = []
+    for path in sorted((HELPERS.parent / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                source = "".join(cell["source"])
+                found += [f"{path.name}: {name}" for name in private.findall(source)]
+    assert found == []

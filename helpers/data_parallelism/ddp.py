@@ -102,7 +102,7 @@ class DDP(nn.Module):
         self.require_gradient_sync = True  # False inside no_sync()
         self._sync_this_backward = True  # what the last forward decided
         for param in trainable:
-            param.register_post_accumulate_grad_hook(self._gradient_ready)
+            param.register_post_accumulate_grad_hook(self.gradient_ready)
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -123,15 +123,15 @@ class DDP(nn.Module):
         finally:
             self.require_gradient_sync = True
 
-    def _gradient_ready(self, param):
+    def gradient_ready(self, param):
         if not self._sync_this_backward:
             return
         bucket = self._bucket_of[param]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):  # its last gradient: send the bucket
-            self._launch(bucket)
+            self.launch(bucket)
 
-    def _launch(self, bucket):
+    def launch(self, bucket):
         if bucket.flat is None:
             tensor = bucket.params[0].grad
         else:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class _CopyToRegion(torch.autograd.Function):
+class CopyToRegion(torch.autograd.Function):
     """f: identity forward, all-reduce (sum) backward."""
 
     @staticmethod
@@ -55,7 +55,7 @@ class _CopyToRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class ReduceFromRegion(torch.autograd.Function):
     """g: all-reduce (sum) forward, identity backward."""
 
     @staticmethod
@@ -69,7 +69,7 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-def _all_gather_sequence(x, group):
+def all_gather_sequence(x, group):
     """(b, s/t, h) on each rank -> (b, s, h): every rank's tokens, in rank order."""
     pieces = x.transpose(0, 1).contiguous()
     gathered = pieces.new_empty(pieces.shape[0] * dist.get_world_size(group), *pieces.shape[1:])
@@ -77,7 +77,7 @@ def _all_gather_sequence(x, group):
     return gathered.transpose(0, 1).contiguous()
 
 
-def _reduce_scatter_sequence(x, group):
+def reduce_scatter_sequence(x, group):
     """(b, s, h) partial sums on each rank -> (b, s/t, h): the sum of this rank's tokens."""
     world_size = dist.get_world_size(group)
     if x.shape[1] % world_size:
@@ -89,50 +89,50 @@ def _reduce_scatter_sequence(x, group):
     return piece.transpose(0, 1).contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
+class GatherSequence(torch.autograd.Function):
     """f with sequence parallelism: all-gather along the sequence forward, reduce-scatter back."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather_sequence(x, group)
+        return all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group), None
+        return reduce_scatter_sequence(grad, ctx.group), None
 
 
-class _ScatterSequence(torch.autograd.Function):
+class ScatterSequence(torch.autograd.Function):
     """g with sequence parallelism: reduce-scatter along the sequence forward, all-gather back."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_sequence(x, group)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 def f(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's f: `x` unchanged; in backward, its gradient summed over the group's ranks."""
-    return _CopyToRegion.apply(x, group)
+    return CopyToRegion.apply(x, group)
 
 
 def g(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's g: `x` summed over the group's ranks; in backward, its gradient unchanged."""
-    return _ReduceFromRegion.apply(x, group)
+    return ReduceFromRegion.apply(x, group)
 
 
 def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sequence parallelism's f: every rank's tokens (dimension 1); reduce-scatter in backward."""
-    return _GatherSequence.apply(x, group)
+    return GatherSequence.apply(x, group)
 
 
 def scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sequence parallelism's g: this rank's tokens of the sum; all-gather in backward."""
-    return _ScatterSequence.apply(x, group)
+    return ScatterSequence.apply(x, group)
 
 
 def sequence_shard(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -67,7 +67,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner = optimizer_cls(inner_groups)
         if gradient_sharding:
             for param in self.pieces:
-                param.register_post_accumulate_grad_hook(self._shard_gradient)
+                param.register_post_accumulate_grad_hook(self.shard_gradient)
 
     @staticmethod
     def _piece_in_place(param: nn.Parameter, rank: int, world_size: int) -> nn.Parameter:
@@ -83,7 +83,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _hyperparameters(param_group: dict) -> dict:
         return {key: value for key, value in param_group.items() if key != "params"}
 
-    def _shard_gradient(self, param):
+    def shard_gradient(self, param):
         """Stage 2, inside backward: keep this rank's piece of the averaged gradient only."""
         piece = self.pieces[param]
         averaged = scatter_mean(param.grad, self.group)

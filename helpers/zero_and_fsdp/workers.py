@@ -139,7 +139,7 @@ def memory_worker(rank, world_size, stage, model, batches, loss="lm"):
             "gathered peak": gathered}
 
 
-def _torch_model(kind, model, unit="block"):
+def torch_model(kind, model, unit="block"):
     """`model` wrapped as PyTorch's own ZeRO: DDP with ZeroRedundancyOptimizer (stage 1), or
     fully_shard (FSDP2, stage 3) on every `unit` and then on the whole model. unit="block": each
     transformer block (or MLP layer), as fully_shard's documentation wraps a transformer;
@@ -209,7 +209,7 @@ def torch_training_worker(rank, world_size, kind, model, batches):
     """Train a copy of `model` with PyTorch's ZeRO `kind` (TORCH_KINDS). Returns the full
     parameters after the last step."""
     model = copy.deepcopy(model)
-    module, optimizer = _torch_model(kind, model)
+    module, optimizer = torch_model(kind, model)
     for batch in batches:
         local = batch.shard(rank, world_size)
         optimizer.zero_grad()
@@ -230,7 +230,7 @@ def stage_1_times_worker(rank, world_size, model, batch, iterations):
     hand = Trainer(copy.deepcopy(model), 1)
     contenders = {"hand-built ZeRO-1": (hand.module, hand.optimizer, None),
                   "ZeroRedundancyOptimizer": (
-                      *_torch_model("ZeroRedundancyOptimizer", copy.deepcopy(model)), None)}
+                      *torch_model("ZeroRedundancyOptimizer", copy.deepcopy(model)), None)}
     return _take_turns(contenders, local, iterations)
 
 
@@ -250,7 +250,7 @@ def step_times_worker(rank, world_size, model, batch, iterations):
         hand = Trainer(copy.deepcopy(model), 3, units="blocks" if unit == "block" else None)
         contenders[f"hand-built per {unit}"] = (hand.module, hand.optimizer, hand.after_backward)
         contenders[f"fully_shard per {unit}"] = (
-            *_torch_model("fully_shard", copy.deepcopy(model), unit), None)
+            *torch_model("fully_shard", copy.deepcopy(model), unit), None)
     with warnings.catch_warnings():
         # fully_shard on a single Linear warns that its output (a view, for 3-D inputs) must not
         # be changed in place; these models never do
