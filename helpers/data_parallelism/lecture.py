@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers.cs336 import (  # noqa: F401 (the lecture's names)
+from helpers.cs336 import (
     cleanup,
     get_device,
     get_init_params,
