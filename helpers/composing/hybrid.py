@@ -9,7 +9,8 @@ On a dp x pp x tp grid, rank (d, p, t) holds:
     data        its dp slice of every batch (the same slice on every rank of its pp and tp groups)
     layers      stage p's share of the blocks; stage 0 also the embeddings, the last stage also
                 the final LayerNorm and the head
-    each block  tp shard t: its heads of q, k, v (rows), the matching columns of attention's output
+    each block  tp shard t, cut as lesson 08's megatron.BLOCK_PLAN says (it is the one place
+                that does): its heads of q, k, v (rows), the matching columns of attention's output
                 projection, its rows of the MLP's up and columns of its down projection; the
                 LayerNorms and the output biases whole
 The embeddings, the final LayerNorm and the head are not split: every rank of a tp group keeps
