@@ -15,7 +15,7 @@ Algorithms*, 2nd ed., 2002, §4.2). So:
                                          scales the error it receives)
     within(difference, bound)            the verdict a notebook prints: "within 10⁻⁷: True"
     agree(pairs, terms, steps)           every (got, expected) tensor within the bound scaled
-                                         to that tensor's own size: True or False
+                                         to that tensor's largest magnitude: True or False
     relative_verdict(ok, terms, steps)   how a notebook prints agree's answer
 
 A wrong algorithm (a missing average, a wrong slice, a gradient added twice) moves a result by
@@ -73,5 +73,6 @@ def agree(pairs, terms: int, steps: int = 1) -> bool:
 
 
 def relative_verdict(ok: bool, terms: int, steps: int = 1) -> str:
-    """How a notebook prints `agree`'s answer: "within 256 ε of each tensor's size: True"."""
-    return f"within {terms * steps} ε of each tensor's size: {ok}"
+    """How a notebook prints `agree`'s answer: "within 256 ε of each tensor's largest magnitude:
+    True"."""
+    return f"within {terms * steps} ε of each tensor's largest magnitude: {ok}"

@@ -59,6 +59,7 @@ def test_agree_measures_each_tensor_against_its_own_size():
 
 
 def test_the_relative_verdict_names_the_bound_in_epsilons():
-    assert tolerance.relative_verdict(True, 256) == "within 256 ε of each tensor's size: True"
+    assert tolerance.relative_verdict(True, 256) == (
+        "within 256 ε of each tensor's largest magnitude: True")
     assert tolerance.relative_verdict(False, 24, steps=8) == (
-        "within 192 ε of each tensor's size: False")
+        "within 192 ε of each tensor's largest magnitude: False")

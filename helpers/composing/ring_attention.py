@@ -177,7 +177,7 @@ def _attend(partials, query_chunks, queries, key_chunks, kv):
 
 
 def ring_attention(q, k, v, layout: str = "contiguous") -> RingAttentionResult:
-    """Causal attention over a sequence cut among the ranks (the module docstring's steps).
+    """Causal attention over a sequence cut among the ranks (the steps at the top of this file).
 
     Before: each rank holds q, k, v of its own positions (local_block of the whole sequence,
     for `layout`). After: it holds their output, equal to its local_block of

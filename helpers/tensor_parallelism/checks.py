@@ -45,6 +45,6 @@ def agreement(results: list, expected, terms: int, sequence_parallel: bool = Fal
     """Whether the output, the input's gradient and every gradient slice of every rank equal one
     process's, each within float32 rounding of sums of at most `terms` terms scaled to its own
     size (helpers.tolerance): "output, input gradient, parameter gradients within 256 ε of
-    each tensor's size: True"."""
+    each tensor's largest magnitude: True"."""
     ok = agree(pairs(results, expected, sequence_parallel), terms)
     return f"output, input gradient, parameter gradients {relative_verdict(ok, terms)}"

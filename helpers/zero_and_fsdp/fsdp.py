@@ -115,7 +115,7 @@ class _Sharding:
 
 class GatheredLinear(torch.autograd.Function):
     """y = x W^T + b with W and b gathered for the forward, gathered again for the backward, and
-    their gradients reduce-scattered (see the module docstring)."""
+    their gradients reduce-scattered (the steps at the top of this file)."""
 
     @staticmethod
     def forward(ctx, inputs, piece, layer):
