@@ -30,7 +30,7 @@ lab: setup
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 NUMERICAL_TESTS := tests/test_reference.py tests/test_tolerance.py tests/test_collectives.py \
 	tests/test_how_all_reduce_works.py tests/test_data_parallelism.py tests/test_zero_and_fsdp.py \
-	tests/test_tensor_parallelism.py tests/test_pipeline_parallelism.py tests/test_composing.py
+	tests/test_tensor_parallelism.py tests/test_pipeline_parallelism.py tests/test_composing*.py
 OTHER_CPU := ATEN_CPU_CAPABILITY=default
 
 test: setup lint

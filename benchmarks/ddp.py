@@ -33,9 +33,9 @@ def main():
     print(f"{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>15}" for name in STRATEGIES)
           + f" | {'bucketed/torch':>14} {'naive/bucketed':>14}")
     for world_size in options.world_sizes:
-        medians = run(step_times_worker, world_size,
-                      args=(options.dim, options.layers, options.batch, options.bucket_mb,
-                            options.iterations), show_output=False, timeout=600)[0]
+        medians = run(step_times_worker, world_size, show_output=False, timeout=600, kwargs=dict(
+            dim=options.dim, layers=options.layers, batch_size=options.batch,
+            bucket_mb=options.bucket_mb, iterations=options.iterations))[0]
         times = " ".join(f"{medians[name] * 1e3:>15.1f}" for name in STRATEGIES)
         print(f"{world_size:>5} | {times} | {medians['bucketed'] / medians['torch DDP']:>13.2f}x"
               f" {medians['naive'] / medians['bucketed']:>13.2f}x", flush=True)

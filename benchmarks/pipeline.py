@@ -4,7 +4,7 @@
 
 The course's MLP, 8 layers of width 512, a batch of 256 in 8 micro-batches, cut into p = 2 and
 4 stages. First the step times: the hand-built 1F1B and zero-bubble schedules
-(helpers.pipeline_parallelism.schedule.pipeline_step, without its memory count) against
+(helpers.pipeline_parallelism.schedule.pipeline_step, with no observer active) against
 torch's Schedule1F1B, taking turns, each step after a barrier and as long as its slowest rank;
 the medians and the ratio hand-built 1F1B / Schedule1F1B. Then the bubble measured from the
 event logs at p = 2 for m = 1, 2, 4, 8, against (p - 1) / (m + p - 1), the median of 3 steps,
@@ -32,8 +32,8 @@ def main():
     print(f"{'stages':>6} | " + " ".join(f"{name:>20}" for name in CONTENDERS)
           + " | hand 1F1B / torch")
     for world_size in (2, 4):
-        times = run(step_times_worker, world_size, args=(model, batch, 8, options.iterations),
-                    show_output=False, timeout=600)[0]
+        times = run(step_times_worker, world_size, show_output=False, timeout=600, kwargs=dict(
+            model=model, batch=batch, num_micro_batches=8, iterations=options.iterations))[0]
         ratio = times["hand-built 1F1B"] / times["torch Schedule1F1B"]
         print(f"{world_size:>6} | " + " ".join(f"{times[name] * 1e3:>20.1f}"
                                                for name in CONTENDERS)
@@ -43,8 +43,9 @@ def main():
     for micro_batches in (1, 2, 4, 8):
         measured = {}
         for name in ("gpipe", "1f1b", "zb"):
-            out = run(bubble_worker, 2, args=(2048, 8, 64, micro_batches, name, 3),
-                      show_output=False)
+            out = run(bubble_worker, 2, show_output=False, kwargs=dict(
+                width=2048, num_layers=8, batch_size=64, num_micro_batches=micro_batches,
+                schedule=name, steps=3))
             measured[name] = statistics.median(
                 bubble([rank[step]["events"] for rank in out],
                        min(rank[step]["start"] for rank in out)) for step in range(3))

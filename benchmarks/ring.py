@@ -9,8 +9,7 @@ a barrier and lasts as long as the slowest rank. Prints the median of each and t
 """
 
 import argparse
-import statistics
-import time
+import functools
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from helpers import run
 from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 from helpers.how_all_reduce_works.pipelined_ring import pipelined_ring_all_reduce
+from helpers.timing import take_turns
 
 CONTENDERS = {"plain ring": ring_all_reduce, "pipelined ring": pipelined_ring_all_reduce,
               "gloo": dist.all_reduce}
@@ -25,17 +25,9 @@ CONTENDERS = {"plain ring": ring_all_reduce, "pipelined ring": pipelined_ring_al
 
 def compare_worker(rank, world_size, size_bytes, iterations):
     data = torch.randn(size_bytes // 4)
-    timings = {name: [] for name in CONTENDERS}
-    for _ in range(iterations + 1):
-        for name, reduce in CONTENDERS.items():
-            dist.barrier()
-            started = time.perf_counter()
-            reduce(data)
-            elapsed = torch.tensor([time.perf_counter() - started])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            timings[name].append(elapsed.item())
     # The first round of each is a warm-up.
-    return {name: statistics.median(values[1:]) for name, values in timings.items()}
+    return take_turns({name: functools.partial(reduce, data)
+                       for name, reduce in CONTENDERS.items()}, rounds=iterations)
 
 
 def main():

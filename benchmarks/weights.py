@@ -7,15 +7,14 @@ World 4: ranks 0-1 are trainers, ranks 2-3 inference ranks. For TinyLMs of 4 blo
 transfers, on the slowest rank, by (a) one broadcast per parameter from trainer 0, (b) one
 broadcast per bucket of at least --bucket-mb MiB from trainer 0, (c) each trainer sending half of
 the flat weights, then an all_gather between the inference ranks
-(helpers.composing.workers.transfer_times_worker; the variants take turns). Then the ratios
+(helpers.composing.weights.transfer_times_worker; the variants take turns). Then the ratios
 (a) / (b) and (c) / (b), and (a - b) / (calls of a - calls of b): what each extra call cost.
 """
 
 import argparse
 
 from helpers import run
-from helpers.composing.weights import VARIANTS
-from helpers.composing.workers import transfer_times_worker
+from helpers.composing.weights import VARIANTS, transfer_times_worker
 
 WIDTHS = (64, 128, 256, 512)
 
@@ -25,10 +24,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--bucket-mb", type=float, default=1.0)
     options = parser.parse_args()
-    sweep = run(transfer_times_worker, 4,
-                args=(2, WIDTHS, 4, options.bucket_mb * 2**20, options.repeats),
-                show_output=False, timeout=600)[0]
-    per_tensor, bucketed, scattered = VARIANTS
+    sweep = run(transfer_times_worker, 4, show_output=False, timeout=600, kwargs=dict(
+        num_trainers=2, widths=WIDTHS, layers=4, bucket_bytes=options.bucket_mb * 2**20,
+        repeats=options.repeats))[0]
+    per_tensor, bucketed, scattered = VARIANTS  # the keys
     print(f"2 trainers -> 2 inference ranks, 4 blocks, buckets of {options.bucket_mb} MiB; "
           f"median of {options.repeats} transfers (ms)\n")
     print(f"{'width':>5} {'MB':>6} {'calls a/b':>9} | {'(a) per-tensor':>14} {'(b) bucketed':>12} "

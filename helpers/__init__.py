@@ -10,16 +10,14 @@ Imported in a Jupyter kernel, this starts the worker pool in the background (it 
 once, a few seconds), so that the first launch finds it ready.
 """
 
-from helpers.launcher import (
-    RunResult,
-    WorkerError,
-    WorkerTimeout,
-    default_backend,
-    get_device,
-    run,
-    spawn,
-    warm_up,
-)
+import helpers.launcher  # starts the worker pool in a Jupyter kernel
 
 __all__ = ["RunResult", "WorkerError", "WorkerTimeout", "default_backend", "get_device", "run",
            "spawn", "warm_up"]
+
+
+def __getattr__(name):
+    """The launcher's names, loaded on first use (helpers.launcher)."""
+    if name in __all__:
+        return getattr(helpers.launcher, name)
+    raise AttributeError(f"module 'helpers' has no attribute {name!r}")

@@ -1,77 +1,304 @@
 """Watching a rank's communication and memory from inside it, without changing the code watched.
 
-    CommCounter()              while active, counts the calls of all_reduce, all_gather_single
-                               and reduce_scatter_single, the bytes each sends on a ring and
-                               the seconds spent inside them; restores torch.distributed on exit,
-                               a raise included
+    Observer(function=None, memory_of=None)
+                               while active, records every torch.distributed communication call
+                               this rank makes (a `Record`: name, group, bytes, launch and
+                               completion times, the span it ran in) and the compute spans it is
+                               told about (`Span`: label, start, end and, given `memory_of`, the
+                               bytes autograd saved in it); restores torch.distributed on exit, a
+                               raise included
+    span(label)                marks a compute region for the innermost active Observer, as
+                               torch.profiler.record_function marks one for the profiler; free
+                               when no Observer is active, so strategies may carry it
     saved_activations(module)  while active, records the tensors autograd saves for backward
     saved_bytes(saved)         their bytes, each storage once
 
-Both are rank-side: they import neither matplotlib nor ipywidgets.
+Rank-side: imports neither matplotlib nor ipywidgets. The exercise rules (helpers.rules) are
+predicates over the same records.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
+import math
+import threading
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d
 
 from helpers.cost_model import bus_bytes
 
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+COLLECTIVES = (
+    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "monitored_barrier",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+)
+OBSERVED = POINT_TO_POINT + COLLECTIVES + ("new_group",)
 
-class CommCounter:
-    """While active, counts the bytes this rank sends in all_reduce, all_gather_single and
-    reduce_scatter_single (called as torch.distributed.<name>), by collective:
-    `counter.sent["all_reduce"]`. Bytes are the ring's (cost_model.bus_bytes), on the whole
-    array S: for all_gather the gathered output, for reduce_scatter the input."""
+# The argument that holds a collective's whole array S (cost_model): for all_gather the gathered
+# output, for reduce_scatter the input. Collectives not listed (barrier, gather, the *_object
+# calls, ...) are recorded with 0 bytes.
+ARRAY = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+         "all_gather_single": "output_tensor", "all_gather_into_tensor": "output_tensor",
+         "all_gather": "tensor_list", "reduce_scatter_single": "input",
+         "reduce_scatter_tensor": "input", "reduce_scatter": "input_list"}
+TABLE_NAME = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
 
-    # The argument that holds the whole array S.
-    ARRAY = {"all_reduce": "tensor", "all_gather_single": "output_tensor",
-             "reduce_scatter_single": "input"}
 
-    def __init__(self):
-        self.sent = dict.fromkeys(self.ARRAY, 0.0)
-        self.calls = dict.fromkeys(self.ARRAY, 0)
-        # seconds inside the calls: the whole collective for gloo's synchronous calls, only the
-        # launch for one called with async_op=True
-        self.seconds = dict.fromkeys(self.ARRAY, 0.0)
-        self._saved = {}
+@dataclass
+class Record:
+    """One communication call. `detail`: a new group's members, a point-to-point call's peer, a
+    collective's group members (None for the whole world). `numel`: the elements of its first
+    tensor argument. `sent`/`received`: bytes this rank sends and receives (a collective's on a
+    ring, by the cost model's table; an all-to-all's exactly, its own rows left out).
+    `completed`: perf_counter seconds when it ended, for async_op=True when its Work finished
+    (None where gloo's Work has no future: point-to-point)."""
+    name: str
+    detail: object
+    numel: int | None
+    sent: float
+    received: float
+    span: str | None
+    launched: float
+    completed: float | None = None
 
     @property
-    def total(self) -> float:
-        return sum(self.sent.values())
+    def seconds(self) -> float:
+        return 0.0 if self.completed is None else self.completed - self.launched
+
+
+class Span(NamedTuple):
+    label: object  # a string, or a tuple such as ("F", 3)
+    start: float
+    end: float
+    saved_bytes: int = 0  # given memory_of: what autograd saved inside, inner spans left out
+
+
+_ACTIVE = []  # the Observers entered in this process, innermost last
+
+
+def span(label):
+    """Marks a compute region for the innermost active Observer; does nothing when none is."""
+    return _ACTIVE[-1].span(label) if _ACTIVE else contextlib.nullcontext()
+
+
+class Observer:
+    """While active, torch.distributed's communication calls are recorded in `records`, and
+    `span(label)` blocks in `spans`. Wraps the module attributes and, given `function`, the
+    references to them in its globals and those of the functions it refers to (code written
+    after `from torch.distributed import send` holds the original). torch's own calls inside a
+    recorded one are not recorded again. Subclasses may check each call in `before`. Given
+    `memory_of` (a module), each span also counts the bytes autograd saves in it, that module's
+    parameters left out (`saved_activations`)."""
+
+    def __init__(self, function=None, memory_of: nn.Module | None = None):
+        self.function, self.memory_of = function, memory_of
+        self.records, self.spans = [], []
+        self._saved, self._span = [], None
+        self._depth = threading.local()
+
+    # --- what was seen ---------------------------------------------------------------------------
+
+    def calls(self, span: str | None = None) -> dict:
+        """{name: how many calls}, communication only (new_group left out)."""
+        return dict(collections.Counter(record.name for record in self._comm(span)))
+
+    def sent(self, span: str | None = None) -> dict:
+        """{name: bytes this rank sent}."""
+        return self._sum(span, lambda record: record.sent)
+
+    def seconds(self, span: str | None = None) -> dict:
+        """{name: seconds from launch to completion}: the whole call for gloo's synchronous
+        collectives."""
+        return self._sum(span, lambda record: record.seconds)
+
+    def _comm(self, span):
+        return [record for record in self.records
+                if record.name != "new_group" and (span is None or record.span == span)]
+
+    def _sum(self, span, value) -> dict:
+        totals = {}
+        for record in self._comm(span):
+            totals[record.name] = totals.get(record.name, 0) + value(record)
+        return totals
+
+    @contextlib.contextmanager
+    def span(self, label: str):
+        """Times the block as a compute span; calls made inside carry its label."""
+        outer, self._span = self._span, label
+        counting = (saved_activations(self.memory_of) if self.memory_of is not None
+                    else contextlib.nullcontext([]))
+        start = time.perf_counter()
+        try:
+            with counting as saved:
+                yield
+        finally:
+            self.spans.append(Span(label, start, time.perf_counter(), saved_bytes(saved)))
+            self._span = outer
+
+    def before(self, record: Record) -> None:
+        """Called before every recorded call runs; may raise to stop it."""
+
+    # --- patching --------------------------------------------------------------------------------
 
     def __enter__(self):
-        for name in self.ARRAY:
-            self._saved[name] = getattr(dist, name)
-            setattr(dist, name, self._counting(name, self._saved[name]))
+        originals = {name: getattr(distributed_c10d, name) for name in OBSERVED}
+        wrapped = {name: self._wrap(name, original) for name, original in originals.items()}
+        by_identity = {id(original): name for name, original in originals.items()}
+        namespaces = [dist, distributed_c10d, *_globals_of(self.function)]
+        try:
+            for namespace in namespaces:
+                is_module = not isinstance(namespace, dict)
+                items = vars(namespace) if is_module else namespace
+                for key, value in list(items.items()):
+                    name = by_identity.get(id(value))
+                    if name is not None and (not is_module or key == name):
+                        self._saved.append((namespace, key, value))
+                        _set(namespace, key, wrapped[name])
+        except BaseException:
+            self.__exit__()
+            raise
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc_info):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        while self._saved:
+            namespace, key, value = self._saved.pop()
+            _set(namespace, key, value)
 
-    def _counting(self, name, original):
+    def _wrap(self, name, original):
         signature = inspect.signature(original)
 
-        def counted(*args, **kwargs):
-            arguments = signature.bind(*args, **kwargs).arguments
-            array = arguments[self.ARRAY[name]]
-            world_size = dist.get_world_size(arguments.get("group"))
-            size = array.numel() * array.element_size()
-            self.sent[name] += bus_bytes(name, world_size, size)
-            self.calls[name] += 1
-            started = time.perf_counter()
-            try:
+        def observed(*args, **kwargs):
+            if getattr(self._depth, "value", 0):
                 return original(*args, **kwargs)
+            arguments = signature.bind_partial(*args, **kwargs).arguments
+            sent, received = _bytes(name, arguments)
+            record = Record(name, _detail(name, arguments), _numel(arguments), sent, received,
+                            self._span, time.perf_counter())
+            self.records.append(record)
+            self.before(record)
+            self._depth.value = 1
+            try:
+                result = original(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - started
+                self._depth.value = 0
+            if arguments.get("async_op") and result is not None:
+                _on_completion(result, record)
+            elif name not in ("isend", "irecv", "batch_isend_irecv"):
+                record.completed = time.perf_counter()
+            return result
 
-        return counted
+        observed.__name__ = observed.__qualname__ = name
+        return observed
+
+
+def _on_completion(work, record):
+    def done(_):
+        record.completed = time.perf_counter()
+    with contextlib.suppress(RuntimeError):  # this backend's Work has no future
+        work.get_future().then(done)
+
+
+def _size(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(tensor.numel() * tensor.element_size() for tensor in value)
+
+
+def _bytes(name, arguments) -> tuple:
+    """(sent, received) bytes of one call on this rank."""
+    if name in ("send", "isend"):
+        return _size(arguments["tensor"]), 0
+    if name in ("recv", "irecv"):
+        return 0, _size(arguments["tensor"])
+    if name == "batch_isend_irecv":
+        ops = arguments.get("p2p_op_list", [])
+        return (sum(_size(op.tensor) for op in ops if op.op.__name__ == "isend"),
+                sum(_size(op.tensor) for op in ops if op.op.__name__ == "irecv"))
+    if name == "all_to_all_single":
+        return _all_to_all_bytes(arguments)
+    if name in ARRAY:
+        group_size = dist.get_world_size(arguments.get("group"))
+        sent = bus_bytes(TABLE_NAME.get(name, name), group_size, _size(arguments[ARRAY[name]]))
+        return sent, sent
+    return 0, 0
+
+
+def _all_to_all_bytes(arguments) -> tuple:
+    """The rows that leave and reach this rank: everything but its own split."""
+    output, source = arguments["output"], arguments["input"]
+    group = arguments.get("group")
+    world_size, me = dist.get_world_size(group), dist.get_rank(group)
+
+    def off_rank(tensor, splits):
+        rows = tensor.shape[0]
+        own = splits[me] if splits else rows // world_size
+        return (rows - own) * math.prod(tensor.shape[1:]) * tensor.element_size()
+
+    return (off_rank(source, arguments.get("input_split_sizes")),
+            off_rank(output, arguments.get("output_split_sizes")))
+
+
+def _detail(name, arguments):
+    """What a record keeps of a call's peers: the members of a new group, the peer of a
+    point-to-point call, the members of a collective's group (None for the whole world)."""
+    if name == "new_group":
+        ranks = arguments.get("ranks")
+        return {"ranks": sorted(ranks) if ranks is not None else None,
+                "local": bool(arguments.get("use_local_synchronization", False))}
+    if name in ("send", "isend"):
+        return arguments.get("dst")
+    if name in ("recv", "irecv"):
+        return arguments.get("src")
+    if name == "batch_isend_irecv":
+        return [[op.op.__name__, op.peer] for op in arguments.get("p2p_op_list", [])]
+    group = arguments.get("group")
+    if group is None or group is dist.GroupMember.WORLD:
+        return None
+    return dist.get_process_group_ranks(group)
+
+
+def _numel(arguments) -> int | None:
+    """The elements of a call's first tensor argument (a list of tensors: all of them)."""
+    for value in arguments.values():
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(item, torch.Tensor) for item in value):
+            return sum(item.numel() for item in value)
+    return None
+
+
+def _globals_of(function):
+    """The global namespaces of `function` and of the functions it refers to (one level)."""
+    if function is None:
+        return []
+    namespaces = [getattr(function, "__globals__", {})]
+    for value in list(namespaces[0].values()):
+        inner = getattr(value, "__globals__", None)
+        if inner is not None and all(inner is not seen for seen in namespaces):
+            namespaces.append(inner)
+    return namespaces
+
+
+def _set(namespace, key, value):
+    if isinstance(namespace, dict):
+        namespace[key] = value
+    else:
+        setattr(namespace, key, value)
 
 
 @contextlib.contextmanager

@@ -10,30 +10,17 @@ rule. After the run, each rule looks at every rank's log (`Rule.broken_by`).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import math
 import os
-import threading
 from typing import NamedTuple
 
-import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
-
-POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
-COLLECTIVES = (
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
-    "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-    "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "monitored_barrier",
-    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-)
-RECORDED = POINT_TO_POINT + COLLECTIVES + ("new_group",)
+from helpers.instrument import COLLECTIVES, POINT_TO_POINT, Observer
 
 
 class Call(NamedTuple):
-    """One logged call: its name, what `_detail` keeps of it, and how many elements its first
-    tensor argument holds (None when it has none)."""
+    """One logged call, as read back from a rank's log: an `instrument.Record`'s name, detail
+    and numel."""
     name: str
     detail: object
     numel: int | None
@@ -194,102 +181,27 @@ def log2_ceil(rank, world_size) -> int:
     return math.ceil(math.log2(world_size))
 
 
-class CallRecorder:
-    """While active, torch.distributed's communication calls are logged and checked against
-    `rules`. Wraps the module attributes, and the learner's own references to them (a function
-    written after `from torch.distributed import send` holds the original)."""
+class CallRecorder(Observer):
+    """While active, torch.distributed's communication calls (`instrument.Observer`, wrapping the
+    learner's own references too) are logged to `log_file` as they happen, so the checker can
+    read them even after a hang, and checked against `rules`: a forbidden call raises."""
 
     def __init__(self, rules, log_file: str, function):
-        self.rules, self.log_file, self.function = rules, log_file, function
-        self.saved = []
-        self.depth = threading.local()  # torch's own calls inside a recorded one are not logged
+        super().__init__(function)
+        self.rules, self.log_file = rules, log_file
 
     def __enter__(self):
         self.log = open(self.log_file, "a")  # noqa: SIM115 - closed in __exit__
-        originals = {name: getattr(distributed_c10d, name) for name in RECORDED}
-        wrapped = {name: self._wrap(name, original) for name, original in originals.items()}
-        namespaces = [dist, distributed_c10d, *_globals_of(self.function)]
-        by_identity = {id(original): name for name, original in originals.items()}
-        for namespace in namespaces:
-            is_module = not isinstance(namespace, dict)
-            items = vars(namespace) if is_module else namespace
-            for key, value in list(items.items()):
-                name = by_identity.get(id(value))
-                if name is not None and (not is_module or key == name):
-                    self.saved.append((namespace, key, value))
-                    _set(namespace, key, wrapped[name])
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc_info):
-        for namespace, key, value in reversed(self.saved):
-            _set(namespace, key, value)
+        super().__exit__(*exc_info)
         self.log.close()
 
-    def _wrap(self, name, original):
-        signature = inspect.signature(original)
-
-        def recorded(*args, **kwargs):
-            if getattr(self.depth, "value", 0):
-                return original(*args, **kwargs)
-            arguments = signature.bind_partial(*args, **kwargs).arguments
-            detail = _detail(name, arguments)
-            self.log.write(json.dumps([name, detail, _numel(arguments)]) + "\n")
-            self.log.flush()
-            for rule in self.rules:
-                if rule.forbids(name, detail):
-                    raise RuleBroken(f"the task says: {rule.text}. Your code called dist.{name}().")
-            self.depth.value = 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.depth.value = 0
-
-        recorded.__name__ = recorded.__qualname__ = name
-        return recorded
-
-
-def _detail(name, arguments):
-    """What the log keeps of a call: the members of a new group, the peer of a point-to-point
-    call, the members of a collective's group (None for the whole world)."""
-    if name == "new_group":
-        ranks = arguments.get("ranks")
-        return {"ranks": sorted(ranks) if ranks is not None else None,
-                "local": bool(arguments.get("use_local_synchronization", False))}
-    if name in ("send", "isend"):
-        return arguments.get("dst")
-    if name in ("recv", "irecv"):
-        return arguments.get("src")
-    if name == "batch_isend_irecv":
-        return [[op.op.__name__, op.peer] for op in arguments.get("p2p_op_list", [])]
-    group = arguments.get("group")
-    if group is None or group is dist.GroupMember.WORLD:
-        return None
-    return dist.get_process_group_ranks(group)
-
-
-def _numel(arguments) -> int | None:
-    """The elements of a call's first tensor argument (a list of tensors: all of them)."""
-    for value in arguments.values():
-        if isinstance(value, torch.Tensor):
-            return value.numel()
-        if isinstance(value, (list, tuple)) and value and all(
-                isinstance(item, torch.Tensor) for item in value):
-            return sum(item.numel() for item in value)
-    return None
-
-
-def _globals_of(function):
-    """The global namespaces of `function` and of the functions it refers to (one level)."""
-    namespaces = [getattr(function, "__globals__", {})]
-    for value in list(namespaces[0].values()):
-        inner = getattr(value, "__globals__", None)
-        if inner is not None and all(inner is not seen for seen in namespaces):
-            namespaces.append(inner)
-    return namespaces
-
-
-def _set(namespace, key, value):
-    if isinstance(namespace, dict):
-        namespace[key] = value
-    else:
-        setattr(namespace, key, value)
+    def before(self, record):
+        self.log.write(json.dumps([record.name, record.detail, record.numel]) + "\n")
+        self.log.flush()
+        for rule in self.rules:
+            if rule.forbids(record.name, record.detail):
+                raise RuleBroken(f"the task says: {rule.text}. Your code called "
+                                 f"dist.{record.name}().")

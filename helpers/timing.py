@@ -1,25 +1,53 @@
-"""Timing a training step across ranks, for the lessons' step-time comparisons (06, 07) and
-their benchmarks: every step starts after a barrier and lasts as long as its slowest rank."""
+"""The course's one definition of "how long a step takes" across ranks, used by every figure and
+benchmark that times one: a step starts on every rank after a barrier and lasts as long as its
+slowest rank; contenders compared in one run take turns, round after round, and each is
+summarised by its median after a warm-up.
 
+    slowest_rank_seconds(step, group)         one call of step(), timed on the slowest rank
+    take_turns(contenders, rounds, warmup)    {name: median seconds}, contenders interleaved
+    training_step(module, optimizer, ...)     zero_grad, forward, backward, finish, step
+"""
+
+from __future__ import annotations
+
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 
-def timed_step(module, optimizer, loss_fn, inputs, targets, after_backward=None,
-               before_step=None) -> float:
-    """One training step (zero_grad, forward, backward, `after_backward`, `before_step`,
-    optimizer step); returns its seconds on the slowest rank. Every rank must call it."""
-    dist.barrier()
+def slowest_rank_seconds(step: Callable[[], object], group=None) -> float:
+    """Every rank of `group` waits for the others, runs `step()`, and gets the seconds of the
+    slowest one. Every rank must call it."""
+    dist.barrier(group=group)
     started = time.perf_counter()
+    step()
+    elapsed = torch.tensor([time.perf_counter() - started])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return elapsed.item()
+
+
+def take_turns(contenders: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
+               group=None) -> dict[str, float]:
+    """Each round runs every contender once, one after the other (so a slow spell of a shared
+    machine falls on all of them); returns each one's median seconds (slowest rank) over the
+    `rounds` after `warmup` rounds."""
+    timings = {name: [] for name in contenders}
+    for round_ in range(warmup + rounds):
+        for name, step in contenders.items():
+            seconds = slowest_rank_seconds(step, group)
+            if round_ >= warmup:
+                timings[name].append(seconds)
+    return {name: statistics.median(values) for name, values in timings.items()}
+
+
+def training_step(module, optimizer, loss_fn, inputs, targets, after_backward=None) -> None:
+    """One training step: zero_grad, forward, backward, `after_backward` (a hand-built
+    strategy's finish_gradient_synchronization, or None), optimizer step."""
     optimizer.zero_grad()
     loss_fn(module(inputs), targets).backward()
     if after_backward is not None:
         after_backward()
-    if before_step is not None:
-        before_step()
     optimizer.step()
-    elapsed = torch.tensor([time.perf_counter() - started])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()

@@ -19,7 +19,8 @@ from torch import nn
 
 from helpers import WorkerError, reference, run
 from helpers.data_parallelism import ddp as hand_built
-from helpers.data_parallelism import plots, step_model, widgets, workers
+from helpers.data_parallelism import experiments, plots, step_model, widgets, workers
+from helpers.instrument import Observer
 
 
 def mlp_and_batches(batch_size=8, steps=5):
@@ -34,8 +35,8 @@ def test_every_strategy_trains_like_one_process(strategy, world_size):
     # difference in its weight (helpers.tolerance); assert_close's float64 default holds here
     model, batches = reference.in_float64(*mlp_and_batches())
     single = reference.train(model, batches, reference.mse_loss, optimizer="adamw", lr=1e-2)
-    out = run(workers.data_parallel_worker, world_size, args=(model, batches, strategy, 0.001),
-              show_output=False)
+    out = run(workers.data_parallel_worker, world_size, show_output=False, kwargs=dict(
+        model=model, batches=batches, strategy=strategy, bucket_mb=0.001))
     for result in out:
         torch.testing.assert_close(result["losses"], single.losses)
         for name, param in single.parameters.items():
@@ -44,8 +45,8 @@ def test_every_strategy_trains_like_one_process(strategy, world_size):
 
 @pytest.mark.parametrize("case", workers.EQUALITY_CASES)
 def test_equality_holds_or_breaks_where_the_lesson_says(case):
-    difference = workers.compare_with_one_process(case, world_size=4, steps=5)
-    if case == "mean loss, 8 samples":
+    difference = experiments.compare_with_one_process(case, world_size=4, steps=5)
+    if case == "mean_loss":
         # SGD (lr 0.01) moves a weight by lr times its gradient: float32 rounding in a gradient
         # (its size times ~1e-7) reaches the weights scaled down, five times over
         assert difference < 1e-5
@@ -56,7 +57,8 @@ def test_equality_holds_or_breaks_where_the_lesson_says(case):
 def test_replicas_start_equal_only_by_seed_or_broadcast():
     spreads = {start: run(workers.replicas_worker, 3, args=(start, 4), show_output=False)
                for start in workers.REPLICA_STARTS}
-    same, apart, broadcast = spreads.values()
+    same, apart, broadcast = (spreads[start] for start in ("same_seed", "seed_by_rank",
+                                                           "broadcast"))
     assert all(spread == [0.0] * 4 for spread in same.results + broadcast.results)
     for spread in apart.results[1:]:
         # SGD applies the same averaged update to every replica: their distance never changes
@@ -82,12 +84,13 @@ def ddp_features_worker(rank, world_size):
                        if param.requires_grad]
     tokens = torch.tensor([[rank, 2 * rank + 1]])
     model.zero_grad()
-    ddp(tokens).sum().backward()
-    ddp.finish_gradient_synchronization()
+    with Observer() as observed:
+        ddp(tokens).sum().backward()
+        ddp.finish_gradient_synchronization()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     return {"after broadcast": after_broadcast, "frozen after a step": model[1].weight,
             "frozen grad": model[1].weight.grad, "buckets": len(ddp.buckets),
-            "all_reduce calls": ddp.all_reduce_calls,
+            "all_reduce calls": observed.calls()["all_reduce"],
             "grads": [param.grad for param in model.parameters() if param.requires_grad],
             "reference grads": reference_grads}
 
@@ -108,7 +111,7 @@ def test_ddp_broadcasts_rank_0_skips_frozen_weights_and_reduces_a_tied_one_once(
 
 def batch_norm_worker(rank, world_size, strategy):
     """Three SGD steps of a batch-norm model; its parameters and running statistics."""
-    model = workers.EQUALITY_CASES["batch norm"]["model"]()
+    model = workers.EQUALITY_CASES["batch_norm"]["model"]()
     module, after_backward = workers.wrap(model, strategy, bucket_mb=0.001)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for batch in reference.mlp_data(seed=1, batch_size=8, dim=16, steps=3):
@@ -134,13 +137,14 @@ def test_buffers_follow_rank_0_at_every_forward_as_in_torch_ddp():
 def no_sync_decided_by_forward_worker(rank, world_size):
     model = reference.make_mlp(dim=4, num_layers=2, seed=0)
     ddp = hand_built.DDP(model)
-    with ddp.no_sync():
-        outputs = ddp(torch.full((1, 4), float(rank)))
-    outputs.sum().backward()  # outside the block, but its forward was inside: no all_reduce
-    quiet = ddp.all_reduce_calls
-    ddp(torch.ones(1, 4)).sum().backward()
-    ddp.finish_gradient_synchronization()
-    return quiet, ddp.all_reduce_calls
+    with Observer() as observed:
+        with ddp.no_sync():
+            outputs = ddp(torch.full((1, 4), float(rank)))
+        outputs.sum().backward()  # outside the block, but its forward was inside: no all_reduce
+        quiet = observed.calls().get("all_reduce", 0)
+        ddp(torch.ones(1, 4)).sum().backward()
+        ddp.finish_gradient_synchronization()
+    return quiet, observed.calls()["all_reduce"]
 
 
 def test_no_sync_is_decided_by_the_forward_as_in_torch():
@@ -174,8 +178,8 @@ def expected_bucket_sizes(sizes, bucket_mb):
                                                  ("bucketed", 0.3)])
 def test_timelines_show_one_all_reduce_per_gradient_or_per_bucket(strategy, bucket_mb):
     dim, layers = 256, 4
-    out = run(workers.timeline_worker, 2, args=(strategy, bucket_mb, dim, layers, 8),
-              show_output=False)
+    out = run(workers.timeline_worker, 2, show_output=False, kwargs=dict(
+        strategy=strategy, bucket_mb=bucket_mb, dim=dim, num_layers=layers, batch_size=8))
     sizes = [dim * dim] * layers
     expected = len(sizes) if bucket_mb is None else len(expected_bucket_sizes(sizes, bucket_mb))
     for result in out:
@@ -203,7 +207,8 @@ def test_bucketed_averaging_makes_one_call_per_bucket_of_the_right_size():
 
 def test_no_sync_accumulates_without_communication_and_gives_the_same_step():
     model, (batch,) = mlp_and_batches(batch_size=16, steps=1)
-    out = run(workers.accumulation_worker, 2, args=(model, batch, 4, 0.1), show_output=False)
+    out = run(workers.accumulation_worker, 2, kwargs=dict(
+        model=model, batch=batch, micro_batches=4, lr=0.1), show_output=False)
     grads = reference.gradients(model, batch, reference.mse_loss)
     for result in out:
         for variant in ("no_sync", "every micro-batch"):
@@ -257,9 +262,9 @@ def test_the_complete_loop_trains_like_one_process_and_its_checkpoint_reloads(wo
             batches.append(reference.Batch(data.inputs[rows], data.targets[rows]))
     single = reference.train(model, batches, reference.mse_loss, optimizer="adamw", lr=1e-2)
     with tempfile.TemporaryDirectory() as directory:
-        out = run(workers.training_loop_worker, world_size,
-                  args=(model, data.inputs, data.targets, batch_size, accumulation, epochs,
-                        directory), show_output=False)
+        out = run(workers.training_loop_worker, world_size, show_output=False, kwargs=dict(
+            model=model, inputs=data.inputs, targets=data.targets, batch_size=batch_size,
+            accumulation=accumulation, epochs=epochs, directory=directory))
     for result in out:
         torch.testing.assert_close(result["losses"], single.losses)
         for name, param in single.parameters.items():
@@ -478,7 +483,8 @@ def test_the_pictures_and_the_widget_draw():
 
 
 def test_the_step_time_comparison_times_all_four_strategies():
-    medians = run(workers.step_times_worker, 2, args=(32, 2, 8, 0.001, 1), show_output=False)
+    medians = run(workers.step_times_worker, 2, kwargs=dict(
+        dim=32, layers=2, batch_size=8, bucket_mb=0.001, iterations=1), show_output=False)
     assert medians[0] == medians[1]  # every rank reports the slowest rank's times
     assert set(medians[0]) == set(workers.STRATEGIES)
     assert all(seconds > 0 for seconds in medians[0].values())

@@ -1,43 +1,81 @@
-"""helpers.instrument: what the counter and the activation recorder see, against formulas, and
+"""helpers.instrument: what the observer and the activation recorder see, against formulas, and
 that torch.distributed is left as it was."""
+
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import all_reduce as imported_all_reduce
 
 from helpers import WorkerError, run
-from helpers.instrument import CommCounter, saved_activations, saved_bytes
+from helpers.instrument import Observer, saved_activations, saved_bytes
 
 
-def counted_worker(rank, world_size):
-    with CommCounter() as counter:
-        dist.all_reduce(torch.ones(1000))  # 4,000 bytes
-        dist.all_gather_single(torch.empty(world_size * 10), torch.ones(10))
-    return counter.calls, counter.sent, counter.seconds, dist.all_reduce.__name__
+def observed_worker(rank, world_size):
+    with Observer() as observed:
+        with observed.span("forward"):
+            dist.all_reduce(torch.ones(1000))  # 4,000 bytes
+        with observed.span("backward"):
+            dist.all_gather_single(torch.empty(world_size * 10), torch.ones(10))
+            dist.all_to_all_single(torch.empty(world_size * 3, 2), torch.ones(world_size * 3, 2))
+    return {"calls": observed.calls(), "sent": observed.sent(), "seconds": observed.seconds(),
+            "forward calls": observed.calls("forward"),
+            "spans": [span.label for span in observed.spans],
+            "received": [record.received for record in observed.records],
+            "name": dist.all_reduce.__name__}
 
 
-def test_the_counter_counts_calls_and_ring_bytes_and_times_them():
-    for calls, sent, seconds, name in run(counted_worker, 4, show_output=False):
-        assert calls == {"all_reduce": 1, "all_gather_single": 1, "reduce_scatter_single": 0}
-        assert sent["all_reduce"] == pytest.approx(2 * 3 / 4 * 4000)
-        assert sent["all_gather_single"] == pytest.approx(3 / 4 * 4 * 40)
-        assert seconds["all_reduce"] > 0 and seconds["reduce_scatter_single"] == 0
-        assert name == "all_reduce"  # torch.distributed's own function again
+def test_the_observer_counts_calls_and_ring_bytes_by_span_and_times_them():
+    for got in run(observed_worker, 4, show_output=False):
+        assert got["calls"] == {"all_reduce": 1, "all_gather_single": 1, "all_to_all_single": 1}
+        assert got["forward calls"] == {"all_reduce": 1}
+        assert got["spans"] == ["forward", "backward"]
+        assert got["sent"]["all_reduce"] == pytest.approx(2 * 3 / 4 * 4000)
+        assert got["sent"]["all_gather_single"] == pytest.approx(3 / 4 * 4 * 40)
+        # all-to-all: 4 pieces of 3 rows x 2 floats; the rank's own piece stays
+        assert got["sent"]["all_to_all_single"] == 3 * 3 * 2 * 4
+        assert got["received"][2] == 3 * 3 * 2 * 4
+        assert got["seconds"]["all_reduce"] > 0
+        assert got["name"] == "all_reduce"  # torch.distributed's own function again
+
+
+def point_to_point_worker(rank, world_size):
+    with Observer(point_to_point_worker) as observed:
+        if rank == 0:
+            dist.send(torch.ones(5), dst=1)
+            work = imported_all_reduce(torch.ones(8), async_op=True)  # through this module
+            time.sleep(0.01)
+        else:
+            dist.recv(torch.empty(5), src=0)
+            work = imported_all_reduce(torch.ones(8), async_op=True)
+        work.wait()
+        time.sleep(0.01)  # the Work's future calls back on another thread
+    return [(record.name, record.detail, record.sent, record.received, record.completed is not None)
+            for record in observed.records]
+
+
+def test_point_to_point_bytes_peers_async_completion_and_the_callers_own_references():
+    first, second = run(point_to_point_worker, 2, show_output=False)
+    ring = 2 * 1 / 2 * 8 * 4
+    assert first == [("send", 1, 20, 0, True), ("all_reduce", None, ring, ring, True)]
+    assert second == [("recv", 0, 0, 20, True), ("all_reduce", None, ring, ring, True)]
 
 
 def raising_worker(rank, world_size):
     original = dist.all_reduce
     try:
-        with CommCounter():
+        with Observer(raising_worker):
             raise RuntimeError("inside")
     except RuntimeError:
         pass
-    assert dist.all_reduce is original, "CommCounter left torch.distributed patched"
+    assert dist.all_reduce is original, "the Observer left torch.distributed patched"
+    assert imported_all_reduce is original, "the Observer left this module's reference patched"
     raise ValueError("the patch was restored")
 
 
-def test_the_counter_restores_torch_distributed_when_the_block_raises():
+def test_the_observer_restores_torch_distributed_when_the_block_raises():
     with pytest.raises(WorkerError, match="the patch was restored"):
         run(raising_worker, 1, show_output=False)
 

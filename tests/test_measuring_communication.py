@@ -12,26 +12,29 @@ import pytest
 from checker import expect_rejection
 
 from helpers import WorkerError, cost_model, published, run
-from helpers.measuring_communication import plots
+from helpers.measuring_communication import experiments, plots
 from helpers.measuring_communication import workers as bench
 from helpers.measuring_communication.solutions import bus_bandwidth
 
 
 @pytest.mark.parametrize("op", cost_model.OPERATIONS)
 def test_benchmark_worker_times_every_operation(op):
-    out = run(bench.benchmark_worker, 2, args=(op, 4096, 1, 3), show_output=False)
+    out = run(bench.benchmark_worker, 2, kwargs=dict(
+        op=op, size_bytes=4096, warmup=1, iterations=3), show_output=False)
     assert out[0] == out[1]  # the MAX across ranks makes every rank report the same median
     assert 0 < out[0] < 10
 
 
 def test_unknown_operation_is_an_error():
     with pytest.raises(WorkerError, match="unknown operation 'allreduce'"):
-        run(bench.benchmark_worker, 2, args=("allreduce", 4096, 1, 1), show_output=False)
+        run(bench.benchmark_worker, 2, kwargs=dict(
+            op="allreduce", size_bytes=4096, warmup=1, iterations=1), show_output=False)
 
 
 def test_sweep_records_every_size_and_advances_the_progress():
     progress = types.SimpleNamespace(value=0)
-    records = bench.sweep("all_gather", 2, [1024, 8192], warmup=1, iterations=2, progress=progress)
+    records = experiments.sweep("all_gather", 2, [1024, 8192], warmup=1, iterations=2,
+                                progress=progress)
     assert progress.value == 2
     assert [r["size_bytes"] for r in records] == [1024, 8192]
     for r in records:
@@ -44,7 +47,7 @@ def test_memory_copy_bandwidth_is_a_finite_rate():
 
 
 def test_published_sweeps_are_drawn_and_labelled_as_not_measured():
-    measured = {"here": [bench.bandwidths("all_reduce", 2, size, size / 1e9)
+    measured = {"here": [cost_model.bandwidths("all_reduce", 2, size, size / 1e9)
                          for size in (2**20, 2**24)]}
     axes = plots.plot_against_published(measured, published.PUBLISHED_SWEEPS).axes[0]
     labels = [line.get_label() for line in axes.get_lines()]

@@ -58,8 +58,8 @@ def test_every_schedule_gives_the_single_process_gradients(name, world_size, mic
     """m < p, m = p and m > p micro-batches."""
     model, batch = mlp_case()
     expected = reference.gradients(model, batch, reference.mse_loss)
-    out = run(workers.step_worker, world_size, args=(model, batch, micro_batches, name),
-              show_output=False)
+    out = run(workers.step_worker, world_size, show_output=False, kwargs=dict(
+        model=model, batch=batch, num_micro_batches=micro_batches, schedule=name))
     grads = merged(out)
     assert set(grads) == set(expected)
     for param, grad in expected.items():
@@ -79,8 +79,8 @@ def test_torch_pipelining_gives_the_same_gradients(name):
     model, batch = mlp_case()
     expected = reference.gradients(model, batch, reference.mse_loss)
     for world_size in (2, 4):
-        out = run(workers.torch_step_worker, world_size, args=(model, batch, 4, name),
-                  show_output=False)
+        out = run(workers.torch_step_worker, world_size, show_output=False, kwargs=dict(
+            model=model, batch=batch, num_micro_batches=4, schedule=name))
         grads = merged(out)
         for param, grad in expected.items():
             torch.testing.assert_close(grads[param], grad, msg=labelled(param))
@@ -89,7 +89,8 @@ def test_torch_pipelining_gives_the_same_gradients(name):
 def test_torchs_1f1b_refuses_fewer_micro_batches_than_stages_where_ours_runs():
     model, batch = mlp_case()
     with pytest.raises(WorkerError, match="must be greater than or equal to the number of"):
-        run(workers.torch_step_worker, 4, args=(model, batch, 2, "1f1b"), show_output=False)
+        run(workers.torch_step_worker, 4, kwargs=dict(
+            model=model, batch=batch, num_micro_batches=2, schedule="1f1b"), show_output=False)
 
 
 def test_the_kept_activations_peak_at_m_for_gpipe_and_at_p_minus_rank_for_1f1b():
@@ -106,7 +107,8 @@ def test_the_kept_activations_peak_at_m_for_gpipe_and_at_p_minus_rank_for_1f1b()
                 reference.mse_loss(out, targets)
         per_micro_batch.append(saved_bytes(saved))
     for name, most in (("gpipe", lambda rank: m), ("1f1b", lambda rank: p - rank)):
-        out = run(workers.step_worker, p, args=(model, batch, m, name), show_output=False)
+        out = run(workers.step_worker, p, kwargs=dict(
+            model=model, batch=batch, num_micro_batches=m, schedule=name), show_output=False)
         for rank, result in enumerate(out):
             peak = max(event.stored_bytes for event in result["events"])
             assert peak == most(rank) * per_micro_batch[rank], (name, rank)
@@ -157,14 +159,16 @@ def test_pipeline_step_refuses_what_it_cannot_do(case, says):
 
 def test_step_times_are_measured_for_every_contender():
     model, batch = mlp_case()
-    times = run(workers.step_times_worker, 2, args=(model, batch, 4, 1), show_output=False)[0]
+    times = run(workers.step_times_worker, 2, kwargs=dict(
+        model=model, batch=batch, num_micro_batches=4, iterations=1), show_output=False)[0]
     assert set(times) == set(workers.CONTENDERS)
     assert all(seconds > 0 for seconds in times.values())
 
 
 def test_the_pictures_and_the_explorer_draw():
     model, batch = mlp_case()
-    out = run(workers.step_worker, 2, args=(model, batch, 4, "1f1b"), show_output=False)
+    out = run(workers.step_worker, 2, kwargs=dict(
+        model=model, batch=batch, num_micro_batches=4, schedule="1f1b"), show_output=False)
     events = [result["events"] for result in out]
     start = min(result["start"] for result in out)
     figures = [plots.plot_gantt({"1f1b": (events, start)}), plots.plot_ideal(4, 8),

@@ -1,5 +1,6 @@
 """The package's shape, checked: no import cycles; a lesson imports another lesson only for a
-strategy the course builds on; the ranks never load matplotlib or ipywidgets; each lesson's
+strategy the course builds on; the ranks never load matplotlib, ipywidgets or the launcher's
+kernel side; each lesson's
 docstring names exactly its files."""
 
 import ast
@@ -89,17 +90,21 @@ def test_a_lesson_imports_another_only_for_a_strategy_it_builds_on():
     assert BUILDS_ON - crossings == set(), "a declared crossing that no longer exists"
 
 
-KERNEL_SIDE = re.compile(r"(plots|widgets|drawing|notebook|exercises|lessons)$")
+# Kernel-side modules, by role: what draws, what a notebook calls to start ranks (experiments,
+# the launcher's launch), the exercises and the lesson registry.
+KERNEL_SIDE = re.compile(r"(plots|widgets|drawing|notebook|experiments|launch|exercises|"
+                         r"lessons)$")
+KERNEL_ONLY = ("matplotlib", "ipywidgets", "helpers.launcher.launch")
 
 
-def test_the_ranks_never_load_matplotlib_or_ipywidgets():
+def test_the_ranks_never_load_matplotlib_ipywidgets_or_the_launcher():
     """Every module a rank may import, imported alone in a fresh interpreter."""
     rank_side = sorted(module for module in GRAPH
                        if not KERNEL_SIDE.search(module) and "exercises" not in module)
     code = ("import importlib, sys\n"
             f"for name in {rank_side!r}:\n"
             "    importlib.import_module(name)\n"
-            "print(sorted(m for m in ('matplotlib', 'ipywidgets') if m in sys.modules))")
+            f"print(sorted(m for m in {KERNEL_ONLY!r} if m in sys.modules))")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                cwd=HELPERS.parent, timeout=300)
     assert completed.returncode == 0, completed.stderr

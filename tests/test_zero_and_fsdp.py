@@ -17,7 +17,7 @@ from compare import labelled
 from torch import nn
 
 from helpers import WorkerError, reference, run
-from helpers.instrument import CommCounter
+from helpers.instrument import Observer
 from helpers.zero_and_fsdp import memory, plots, sharding, widgets, workers
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
@@ -67,9 +67,9 @@ def block_units_worker(rank, world_size):
     model = reference.make_lm(seed=0)
     wrapped = workers.FSDP(model, units=model.blocks)
     batch = reference.lm_data(seed=1, batch_size=8)[0].shard(rank, world_size)
-    with CommCounter() as counter:
+    with Observer() as observed:
         reference.lm_loss(wrapped(batch.inputs), batch.targets).backward()
-    return dict(counter.calls), wrapped.gathered.peak
+    return observed.calls(), wrapped.gathered.peak
 
 
 def test_a_block_unit_costs_one_all_gather_each_way_and_one_reduce_scatter():
@@ -108,8 +108,8 @@ def test_fsdp_in_low_precision_equals_one_process_doing_the_same_casts(dtype):
     same_casts = reference.train_slices(reference.with_compute_dtype(model, dtype), batches,
                                         reference.lm_loss, 2).parameters
     float32 = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
-    out = run(workers.training_worker, 2, args=(3, model, batches, "lm", dtype),
-              show_output=False)
+    out = run(workers.training_worker, 2, show_output=False, kwargs=dict(
+        stage=3, model=model, batches=batches, loss="lm", compute_dtype=dtype))
     # 1e-3, a tenth of one AdamW step (lr 1e-2): both sides cast the same values, but add their
     # float32 sums in other orders, and a value that crosses a bfloat16 rounding boundary moves
     # by a whole bfloat16 step (2**-8 of its size), which AdamW turns into a changed step near a
@@ -182,7 +182,7 @@ def test_bytes_sent_per_step_are_dp_s_and_one_and_a_half_times_that_for_zero_3(w
     for stage in (1, 2):
         assert sent[stage]["sent"]["reduce_scatter_single"] == pytest.approx(share)
         assert sent[stage]["sent"]["all_gather_single"] == pytest.approx(share)
-        assert sent[stage]["sent"]["all_reduce"] == 0
+        assert "all_reduce" not in sent[stage]["sent"]
     assert sent[3]["sent"]["all_gather_single"] == pytest.approx(2 * share)
     assert sent[3]["sent"]["reduce_scatter_single"] == pytest.approx(share)
     total = {stage: sum(result["sent"].values()) for stage, result in sent.items()}

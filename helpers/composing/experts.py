@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import reference
+from helpers.instrument import Observer
 
 # --- communication ------------------------------------------------------------------------------
 
@@ -70,22 +71,11 @@ def exchange_counts(send_counts: list, group=None) -> list:
     return received.tolist()
 
 
-def _off_rank_bytes(label, rows, received, input_splits, output_splits, group) -> dict:
-    """The bytes of the rows that left this rank and of those that came in from other ranks: the
-    tensors' rows minus the split this rank sent itself."""
-    me = dist.get_rank(group)
-    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-    return {"phase": label, "sent_bytes": (rows.shape[0] - input_splits[me]) * row_bytes,
-            "received_bytes": (received.shape[0] - output_splits[me]) * row_bytes}
-
-
-def _all_to_all_rows(rows, output_splits, input_splits, group, traffic, label):
+def _all_to_all_rows(rows, output_splits, input_splits, group):
     """Rows input_splits[d] of `rows` go to rank d; output_splits[s] rows arrive from rank s."""
     rows = rows.contiguous()
     received = rows.new_empty(sum(output_splits), *rows.shape[1:])
     dist.all_to_all_single(received, rows, output_splits, input_splits, group=group)
-    if traffic is not None:
-        traffic.append(_off_rank_bytes(label, rows, received, input_splits, output_splits, group))
     return received
 
 
@@ -94,33 +84,29 @@ class _AllToAll(torch.autograd.Function):
     (input_splits, output_splits): each row's gradient goes back to the rank the row came from."""
 
     @staticmethod
-    def forward(ctx, rows, output_splits, input_splits, group, traffic, label):
-        ctx.splits, ctx.group, ctx.traffic, ctx.label = (output_splits, input_splits), group, \
-            traffic, label
-        return _all_to_all_rows(rows, output_splits, input_splits, group, traffic, label)
+    def forward(ctx, rows, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all_rows(rows, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        grad = _all_to_all_rows(grad, input_splits, output_splits, ctx.group, ctx.traffic,
-                                ctx.label + " backward")
-        return grad, None, None, None, None, None
+        return _all_to_all_rows(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
-def dispatch(rows, send_counts: list, group=None, traffic=None):
+def dispatch(rows, send_counts: list, group=None):
     """Before: `rows` sorted by destination rank, send_counts[d] of them for rank d. After: the
     rows every rank sent this one, source rank by source rank, and how many came from each.
-    Two all-to-alls: the counts, then the rows. `traffic` (a list): each all-to-all of rows,
-    forward and backward, appends the bytes that left and reached this rank."""
+    Two all-to-alls: the counts, then the rows."""
     received_counts = exchange_counts(send_counts, group)
-    rows = _AllToAll.apply(rows, received_counts, send_counts, group, traffic, "dispatch")
+    rows = _AllToAll.apply(rows, received_counts, send_counts, group)
     return rows, received_counts
 
 
-def combine(rows, received_counts: list, send_counts: list, group=None, traffic=None):
+def combine(rows, received_counts: list, send_counts: list, group=None):
     """The reverse of `dispatch`: the results of the rows received from rank s go back to rank s,
     which gets them in the order it sent the rows (no counts to exchange: both sides know them)."""
-    return _AllToAll.apply(rows, send_counts, received_counts, group, traffic, "combine")
+    return _AllToAll.apply(rows, send_counts, received_counts, group)
 
 
 # --- routing ------------------------------------------------------------------------------------
@@ -229,19 +215,18 @@ class ExpertParallelMoE(nn.Module):
         self.router, self.expert = copy.deepcopy(moe.router), copy.deepcopy(moe.experts[rank])
         self.k, self.capacity_factor, self.group = moe.k, moe.capacity_factor, group
 
-    def forward(self, tokens: torch.Tensor, traffic: list | None = None) -> torch.Tensor:
-        return self.forward_with_routing(tokens, traffic)[0]
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_routing(tokens)[0]
 
-    def forward_with_routing(self, tokens, traffic=None):
-        """This rank's outputs, and its Routing. `traffic`: see `dispatch`."""
+    def forward_with_routing(self, tokens):
+        """This rank's outputs, and its Routing."""
         routing = route(self.router, tokens, self.k, self.capacity_factor)
         token, choice = routing.kept.nonzero(as_tuple=True)
         by_destination = torch.argsort(routing.experts[token, choice], stable=True)
         token, choice = token[by_destination], choice[by_destination]
         send_counts = routing.kept_per_expert(self.router.out_features).tolist()
-        received, received_counts = dispatch(tokens[token], send_counts, self.group, traffic)
-        results = combine(self.expert(received), received_counts, send_counts, self.group,
-                          traffic)
+        received, received_counts = dispatch(tokens[token], send_counts, self.group)
+        results = combine(self.expert(received), received_counts, send_counts, self.group)
         weight = routing.weights[token, choice].unsqueeze(1)
         return torch.zeros_like(tokens).index_add(0, token, weight * results), routing
 
@@ -272,3 +257,35 @@ def uniform_all_to_all_bytes(num_tokens: int, k: int, dim: int, world_size: int,
     """What one rank sends in one all-to-all when routing is uniform and nothing is dropped: of its
     T k assignments, (E - 1) / E go to other ranks. (E - 1)/E * T * k * dim * element_size."""
     return (world_size - 1) / world_size * num_tokens * k * dim * element_size
+
+
+# --- the worker (lesson 10's notebook and tests run it) ---------------------------------------
+
+# moe_worker's all-to-alls of rows, in the order they run
+MOE_PHASES = ("dispatch", "combine", "combine backward", "dispatch backward")
+
+
+def moe_worker(rank, world_size, moe, tokens, output_grad):
+    """Expert parallelism, one expert per rank: rank r takes its slice of `tokens` (N, dim), the
+    ranks' N / E each in rank order, through ExpertParallelMoE(moe), then backward from the
+    loss sum(output * output_grad) over the whole batch, each rank its own slice's part.
+    Returns its outputs, its tokens' gradient, its expert's and the router's gradients (named as
+    in `moe`), its routing's counts, and the bytes of every all-to-all of rows."""
+    layer = ExpertParallelMoE(moe)
+    local = tokens.tensor_split(world_size)[rank].clone().requires_grad_()
+    with Observer() as observed:
+        output, routing = layer.forward_with_routing(local)
+        (output * output_grad.tensor_split(world_size)[rank]).sum().backward()
+    # forward: the counts' all-to-all, dispatch's rows, combine's; backward: the rows' in reverse
+    counts, *rows = [record for record in observed.records if record.name == "all_to_all_single"]
+    traffic = [{"phase": phase, "sent_bytes": record.sent, "received_bytes": record.received}
+               for phase, record in zip(MOE_PHASES, rows, strict=True)]
+    sum_router_gradients(layer)  # the replicated router: gradients summed, as in data parallelism
+    grads = {f"router.{name}": param.grad for name, param in layer.router.named_parameters()}
+    grads.update({f"experts.{rank}.{name}": param.grad
+                  for name, param in layer.expert.named_parameters()})
+    return {"output": output.detach(), "input_grad": local.grad, "grads": grads,
+            "routed_per_expert": routing.routed_per_expert(world_size).tolist(),
+            "kept_per_expert": routing.kept_per_expert(world_size).tolist(),
+            "dropped": routing.dropped, "capacity": routing.capacity,
+            "capacity_factor": layer.capacity_factor, "traffic": traffic}

@@ -7,6 +7,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from helpers.composing.hybrid import locate
+from helpers.composing.weights import VARIANTS
 from helpers.drawing import COLORS, GREY, color
 
 # --- mesh ---------------------------------------------------------------------------------------
@@ -174,12 +175,12 @@ def _kept_and_dropped(ax, routed, kept, capacity):
 
 def plot_transfer_times(sweep: list, title: str = ""):
     """Time to move the weights against their size (log-log), one line per variant, from
-    workers.transfer_times_worker's records (median seconds; size = parameters * 4 bytes)."""
+    weights.transfer_times_worker's records (median seconds; size = parameters * 4 bytes)."""
     fig, ax = plt.subplots(figsize=(6, 3.2))
     sizes = [record["parameters"] * 4 / 1e6 for record in sweep]
     for index, variant in enumerate(sweep[0]["seconds"]):
         ax.loglog(sizes, [record["seconds"][variant] * 1e3 for record in sweep], "o-",
-                  color=color(index), label=variant)
+                  color=color(index), label=VARIANTS[variant])
     for axis in (ax.xaxis, ax.yaxis):  # 1, 2, 5, 10 rather than powers of ten
         axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
         axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))

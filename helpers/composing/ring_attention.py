@@ -305,3 +305,31 @@ def computed_scores_formula(rank: int, world_size: int, seq_len: int, layout: st
         return (rank + 1) * (seq_len // world_size) ** 2
     chunk = seq_len // num_chunks(world_size, layout)
     return (2 * world_size + 1) * chunk * chunk
+
+
+# --- the workers (lesson 10's notebook and tests run them) --------------------------------------
+
+def ring_attention_worker(rank, world_size, seed, shape, layout, dtype=torch.float64):
+    """Ring attention (above) on seeded inputs: every rank draws the
+    whole sequence's q, k, v, `shape` = (batch, heads, seq_len, head_dim), from `seed` (nothing
+    large travels to the ranks), keeps its own positions under `layout`, and runs the ring.
+    Returns its RingAttentionResult: its block of the output and of the log-sum-exp, the
+    visible (query, key) pairs it computed, and its compute seconds."""
+    q, k, v = (local_block(x, rank, world_size, layout)
+               for x in attention_inputs(seed, *shape, dtype=dtype))
+    dist.barrier()  # every rank starts the ring together: the seconds are its compute's
+    return ring_attention(q, k, v, layout)
+
+
+def ring_attention_backward_worker(rank, world_size, seed, shape, layout, dtype=torch.float64):
+    """Ring attention's forward, then its backward (ring_attention_backward) for a seeded
+    gradient of the whole sequence's output, of which each rank keeps its positions. Returns
+    this rank's gradients of its q, k and v, {"q": ..., "k": ..., "v": ...}."""
+    q, k, v, grad_output = (
+        local_block(x, rank, world_size, layout)
+        for x in (*attention_inputs(seed, *shape, dtype=dtype),
+                  output_gradient(seed, *shape, dtype=dtype)))
+    result = ring_attention(q, k, v, layout)
+    grads = ring_attention_backward(q, k, v, result.output, result.logsumexp, grad_output,
+                                         layout)
+    return dict(zip("qkv", grads))

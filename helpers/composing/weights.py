@@ -24,22 +24,25 @@ ranks stale ones; after: every inference rank holds trainer 0's weights, bit for
                            other inference ranks
 In the alpha-beta model of lesson 04 a call on M bytes takes alpha + M / beta: the per-tensor
 broadcast pays alpha once per parameter, the bucketed one once per bucket, for the same bytes.
-
-`calls`, if a list, receives (name, bytes) for every communication call this rank makes, bytes
-being numel * element_size of the tensor the rank hands to the call (all_gather: its input).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from helpers.data_parallelism.ddp import Bucket, bucket_indices
+from helpers import reference
+from helpers.data_parallelism.ddp import Bucket, average_gradients, bucket_indices
+from helpers.instrument import Observer
+from helpers.timing import take_turns
 
-VARIANTS = ("per-tensor broadcast", "bucketed broadcast", "scatter + all_gather")
+# {key: its label on screen}
+VARIANTS = {"per_tensor": "per-tensor broadcast", "bucketed": "bucketed broadcast",
+            "scatter_all_gather": "scatter + all_gather"}
 
 
 @dataclass
@@ -76,13 +79,8 @@ def weight_buckets(params: list, bucket_bytes: float | None) -> list:
             for indices in bucket_indices(sizes, bucket_bytes)]
 
 
-def _log(calls, name, tensor):
-    if calls is not None:
-        calls.append((name, tensor.numel() * tensor.element_size()))
-
-
 @torch.no_grad()
-def broadcast_weights(buckets: list, group, calls: list | None = None) -> None:
+def broadcast_weights(buckets: list, group) -> None:
     """One broadcast per bucket from trainer 0 (the group's first rank) to the inference ranks.
     Before: trainer 0's parameters are the new ones. After: every rank of `group` holds them.
     A bucket of one parameter is broadcast in place; a larger one through its flat buffer."""
@@ -97,7 +95,6 @@ def broadcast_weights(buckets: list, group, calls: list | None = None) -> None:
                 for view, param in zip(bucket.views, bucket.params):
                     view.copy_(param.flatten())
         dist.broadcast(tensor, src=source, group=group)  # the one distributed line
-        _log(calls, "broadcast", tensor)
         if not sending and bucket.flat is not None:
             for view, param in zip(bucket.views, bucket.params):
                 param.copy_(view.view_as(param))
@@ -109,8 +106,7 @@ def piece_elements(num_elements: int, num_trainers: int, num_inference: int) -> 
 
 
 @torch.no_grad()
-def scatter_all_gather_weights(params: list, groups: WeightGroups,
-                               calls: list | None = None) -> None:
+def scatter_all_gather_weights(params: list, groups: WeightGroups) -> None:
     """Every trainer sends a different 1/T of the flat weights, then the inference ranks
     all_gather (see the module docstring for the [I, T, chunk] layout).
     Before: every trainer's parameters are the new ones (data parallelism keeps them equal).
@@ -128,15 +124,12 @@ def scatter_all_gather_weights(params: list, groups: WeightGroups,
     else:
         row = torch.empty(len(trainers), chunk, dtype=flat.dtype)  # its row [i], from all
         operations = [dist.P2POp(dist.irecv, row[t], source) for t, source in enumerate(trainers)]
-    for operation in operations:
-        _log(calls, operation.op.__name__, operation.tensor)
     for work in dist.batch_isend_irecv(operations):  # all trainers send at once
         work.wait()
     if groups.is_trainer(rank):
         return
     # every inference rank's row lands in its place in `flat`
     dist.all_gather(list(flat.view(len(inference), -1)), row.view(-1), group=groups.inference)
-    _log(calls, "all_gather", row)
     for param, piece in zip(params, flat.view(-1)[:total].split(numels)):
         param.copy_(piece.view_as(param))
 
@@ -149,20 +142,21 @@ class WeightTransfer:
     def __init__(self, params: list, groups: WeightGroups, variant: str,
                  bucket_bytes: float | None = None):
         if variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+            raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
         self.params, self.groups, self.variant = list(params), groups, variant
-        self.takes_part = variant == VARIANTS[2] or dist.get_rank() in (0, *groups.inference_ranks)
-        if variant != VARIANTS[2]:
+        scattered = variant == "scatter_all_gather"
+        self.takes_part = scattered or dist.get_rank() in (0, *groups.inference_ranks)
+        if not scattered:
             self.buckets = weight_buckets(self.params,
-                                          None if variant == VARIANTS[0] else bucket_bytes)
+                                          None if variant == "per_tensor" else bucket_bytes)
 
-    def __call__(self, calls: list | None = None) -> None:
+    def __call__(self) -> None:
         if not self.takes_part:  # trainers 1..T-1 have no part in a broadcast from trainer 0
             return
-        if self.variant == VARIANTS[2]:
-            scatter_all_gather_weights(self.params, self.groups, calls)
+        if self.variant == "scatter_all_gather":
+            scatter_all_gather_weights(self.params, self.groups)
         else:
-            broadcast_weights(self.buckets, self.groups.source_and_inference, calls)
+            broadcast_weights(self.buckets, self.groups.source_and_inference)
 
 
 @torch.no_grad()
@@ -177,3 +171,82 @@ def greedy_generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple:
         all_logits.append(logits)
         tokens = torch.cat([tokens, logits.argmax(dim=-1, keepdim=True)], dim=1)
     return tokens[:, prompt.shape[1]:], torch.stack(all_logits, dim=1)
+
+
+# --- the workers (lesson 10's notebook, tests and benchmarks/weights.py run them) ------------
+
+def _stale(model):
+    """An inference rank's copy before any transfer: the model's shapes, every weight NaN, so
+    that a weight the transfer misses shows in the logits."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float("nan"))
+    return model
+
+
+def weight_update_worker(rank, world_size, num_trainers, model, batches, prompt, new_tokens,
+                         variant="bucketed", bucket_bytes=2**14, lr=1e-2):
+    """Reinforcement learning's loop without the reward: per batch, the trainers take one
+    data-parallel AdamW step (each on its slice of the batch, gradients averaged over the
+    trainers' group, lesson 06), the weights go to the inference ranks by `variant`, and every
+    rank decodes `new_tokens` greedily from `prompt` with the weights it now holds.
+    Returns {"trainer", "steps": per step {"tokens", "logits"}, "parameters" (after the last
+    step), "calls" (this rank's calls in the last transfer)}."""
+    groups = make_weight_groups(num_trainers, world_size)
+    trainer = groups.is_trainer(rank)
+    local = copy.deepcopy(model) if trainer else _stale(model)
+    optimizer = reference.make_optimizer("adamw", local.parameters(), lr) if trainer else None
+    transfer = WeightTransfer(list(local.parameters()), groups, variant, bucket_bytes)
+    steps = []
+    for batch in batches:
+        if trainer:
+            shard = batch.shard(rank, num_trainers)
+            optimizer.zero_grad()
+            reference.lm_loss(local(shard.inputs), shard.targets).backward()
+            average_gradients(local, group=groups.trainers)
+            optimizer.step()
+        calls = _calls(transfer)  # the trainers' new weights reach the inference ranks
+        tokens, logits = greedy_generate(local, prompt, new_tokens)
+        steps.append({"tokens": tokens, "logits": logits})
+    return {"trainer": trainer, "steps": steps, "parameters": reference.parameters(local),
+            "calls": calls}
+
+
+def delivered_weights_worker(rank, world_size, num_trainers, model, bucket_bytes):
+    """Each variant in turn moves trainer `model`'s weights to inference ranks that start from
+    NaN. Returns {variant: {"parameters": what this rank holds after, "calls": its calls}}."""
+    groups = make_weight_groups(num_trainers, world_size)
+    delivered = {}
+    for variant in VARIANTS:
+        local = copy.deepcopy(model) if groups.is_trainer(rank) else _stale(model)
+        calls = _calls(WeightTransfer(list(local.parameters()), groups, variant, bucket_bytes))
+        delivered[variant] = {"parameters": reference.parameters(local), "calls": calls}
+    return delivered
+
+
+def _calls(transfer) -> list:
+    """(name, bytes sent, bytes received) of each call this rank makes in one `transfer()`."""
+    with Observer() as observed:
+        transfer()
+    return [(record.name, record.sent, record.received) for record in observed.records]
+
+
+def transfer_times_worker(rank, world_size, num_trainers, widths, layers=4, bucket_bytes=2**20,
+                          repeats=5):
+    """For TinyLMs of each width (`layers` blocks, built on every rank: no model travels), the
+    median seconds of `repeats` transfers by each variant, after one to warm up, the variants
+    taking turns. Returns per width {"width", "parameters" (count), "tensors", "seconds":
+    {variant: s}, "calls": {variant: this rank's calls in one transfer}}."""
+    groups = make_weight_groups(num_trainers, world_size)
+    sweep = []
+    for width in widths:
+        model = reference.make_lm(dim=width, layers=layers)
+        params = list(model.parameters())
+        transfers = {variant: WeightTransfer(params, groups, variant, bucket_bytes)
+                     for variant in VARIANTS}
+        sweep.append({"width": width, "parameters": sum(param.numel() for param in params),
+                      "tensors": len(params),
+                      "seconds": take_turns(transfers, rounds=repeats),
+                      "calls": {variant: _calls(transfers[variant]) for variant in VARIANTS}})
+    return sweep

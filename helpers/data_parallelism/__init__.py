@@ -2,7 +2,8 @@
 
 lecture: CS336 lecture 8's data-parallel loop, run as it is. ddp: average_gradients (the naive
 loop) and DDP, a hand-built DistributedDataParallel. step_model: the alpha-beta model of a
-training step's communication. workers: run in the ranks (torch only).
+training step's communication. workers: run in the ranks (torch only). experiments: run from the
+kernel (they start ranks).
 plots and widgets: drawn in the kernel. exercises: the checked exercises; solutions: their
 reference solutions.
 """

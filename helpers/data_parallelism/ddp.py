@@ -24,24 +24,19 @@ weights) is one parameter, and autograd calls its hook once, with both uses summ
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
-def average_gradients(module: nn.Module, group=None, timeline: list | None = None) -> None:
+def average_gradients(module: nn.Module, group=None) -> None:
     """The lecture's loop: after backward, one blocking all_reduce per parameter (the naive DDP).
     Every rank must have a gradient for the same parameters, or the ranks' calls stop matching
-    and they wait for each other forever.
-    `timeline`, if a list, receives ("all_reduce", start, end) for each, in perf_counter seconds."""
+    and they wait for each other forever."""
     for param in module.parameters():
         if param.grad is not None:
-            started = time.perf_counter()
             dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=group)
-            if timeline is not None:
-                timeline.append(("all_reduce", started, time.perf_counter()))
 
 
 class Bucket:
@@ -82,15 +77,11 @@ def make_buckets(params: list, bucket_mb: float | None) -> list:
 
 
 class DDP(nn.Module):
-    """A hand-built DistributedDataParallel (see the module docstring).
+    """A hand-built DistributedDataParallel (see the module docstring)."""
 
-    `timeline`, if a list, receives (label, start, end) in perf_counter seconds for every
-    bucket's all_reduce, from its launch to its completion."""
-
-    def __init__(self, module: nn.Module, bucket_mb: float | None = None, group=None,
-                 timeline: list | None = None):
+    def __init__(self, module: nn.Module, bucket_mb: float | None = None, group=None):
         super().__init__()
-        self.module, self.group, self.timeline = module, group, timeline
+        self.module, self.group = module, group
         self.source = dist.get_global_rank(group, 0) if group is not None else 0
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=self.source, group=group)
@@ -98,7 +89,6 @@ class DDP(nn.Module):
         self.buckets = make_buckets(list(reversed(trainable)), bucket_mb)
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         self._pending = []  # (work, bucket) of every all_reduce launched in this backward
-        self.all_reduce_calls = 0  # how many all_reduces this DDP has launched, all steps together
         self.require_gradient_sync = True  # False inside no_sync()
         self._sync_this_backward = True  # what the last forward decided
         for param in trainable:
@@ -140,15 +130,6 @@ class DDP(nn.Module):
             tensor = bucket.flat
         work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self._pending.append((work, bucket))
-        self.all_reduce_calls += 1
-        self._record(work, bucket)
-
-    def _record(self, work, bucket):
-        """For the lesson's timelines: when this all_reduce was launched and when it ended."""
-        if self.timeline is not None:
-            label, started = f"all_reduce {self.buckets.index(bucket)}", time.perf_counter()
-            work.get_future().then(
-                lambda _: self.timeline.append((label, started, time.perf_counter())))
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all_reduce and put the averages into the .grad tensors."""

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -20,24 +19,26 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from helpers import reference
+from helpers.cost_model import bandwidths
 from helpers.data_parallelism.ddp import DDP, average_gradients, bucket_indices
-from helpers.timing import timed_step
+from helpers.how_all_reduce_works.algorithms import ring_all_reduce
+from helpers.instrument import Observer
+from helpers.timing import slowest_rank_seconds, take_turns, training_step
 
 LOSSES = {"mean": reference.mse_loss,
           "sum": lambda outputs, targets: F.mse_loss(outputs, targets, reduction="sum")}
 STRATEGIES = ("naive", "overlapped", "bucketed", "torch DDP")
 
 
-def wrap(model: nn.Module, strategy: str, bucket_mb: float = 1.0, timeline: list | None = None):
+def wrap(model: nn.Module, strategy: str, bucket_mb: float = 1.0):
     """The model as `strategy` trains it; returns (the module to call, what to do after
     backward). naive: the lecture's loop after backward; overlapped: DDP, one all_reduce per
     gradient during backward; bucketed: DDP with buckets of `bucket_mb`; torch DDP: PyTorch's own,
     with the same bucket size."""
     if strategy == "naive":
-        return model, lambda: average_gradients(model, timeline=timeline)
+        return model, lambda: average_gradients(model)
     if strategy in ("overlapped", "bucketed"):
-        ddp = DDP(model, bucket_mb=None if strategy == "overlapped" else bucket_mb,
-                  timeline=timeline)
+        ddp = DDP(model, bucket_mb=None if strategy == "overlapped" else bucket_mb)
         return ddp, ddp.finish_gradient_synchronization
     if strategy == "torch DDP":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb), None
@@ -103,44 +104,26 @@ def _batch_norm_model():
 
 
 # Data parallelism against one process: the case that holds, then the four that break it.
+# {key: its label on screen, and how it differs from the default (experiments.py)}
 EQUALITY_CASES = {
-    "mean loss, 8 samples": dict(),
-    "sum loss": dict(loss="sum"),
-    "6 samples on 4 ranks": dict(batch_size=6),
-    "dropout": dict(model=_dropout_model, seed_per_rank=True),
-    "batch norm": dict(model=_batch_norm_model),
+    "mean_loss": dict(label="mean loss, 8 samples"),
+    "sum_loss": dict(label="sum loss", loss="sum"),
+    "uneven_batch": dict(label="6 samples on 4 ranks", batch_size=6),
+    "dropout": dict(label="dropout", model=_dropout_model, seed_per_rank=True),
+    "batch_norm": dict(label="batch norm", model=_batch_norm_model),
 }
 
-
-def compare_with_one_process(case: str, world_size: int = 4, steps: int = 5) -> float:
-    """Train the model of `case` (EQUALITY_CASES) for `steps` SGD steps on one process with the
-    whole batch, and on `world_size` ranks with the naive loop; return the largest difference
-    between the two runs' parameters. (Runs in the kernel: it launches the ranks.)"""
-    from helpers.launcher import run
-
-    options = EQUALITY_CASES[case]
-    model = options.get("model", lambda: reference.make_mlp(dim=16, num_layers=3, seed=0))()
-    batches = reference.mlp_data(seed=1, batch_size=options.get("batch_size", 8), dim=16,
-                                 steps=steps)
-    loss = options.get("loss", "mean")
-    torch.manual_seed(0)  # the single process's dropout masks
-    single = reference.train(model, batches, LOSSES[loss], optimizer="sgd", lr=0.01)
-    parallel = run(data_parallel_worker, world_size,
-                   args=(model, batches, "naive", 1.0, "sgd", 0.01, loss,
-                         options.get("seed_per_rank", False)), show_output=False)[0]
-    return max((parallel["parameters"][name] - param).abs().max().item()
-               for name, param in single.parameters.items())
-
-
-REPLICA_STARTS = ("same seed on every rank", "seed = rank", "seed = rank, then rank 0's broadcast")
+# How replicas start: {key: its label on screen}
+REPLICA_STARTS = {"same_seed": "same seed on every rank", "seed_by_rank": "seed = rank",
+                  "broadcast": "seed = rank, then rank 0's broadcast"}
 
 
 def replicas_worker(rank, world_size, start, steps):
-    """Replicas trained with averaged gradients (SGD), starting from `start`, one of
+    """Replicas trained with averaged gradients (SGD), starting from `start`, a key of
     REPLICA_STARTS. Returns, after each step, the largest difference between this rank's weights
     and rank 0's."""
-    model = reference.make_mlp(dim=16, num_layers=3, seed=0 if start == REPLICA_STARTS[0] else rank)
-    if start == REPLICA_STARTS[2]:
+    model = reference.make_mlp(dim=16, num_layers=3, seed=0 if start == "same_seed" else rank)
+    if start == "broadcast":
         for param in model.parameters():  # what DDP does at construction
             dist.broadcast(param.data, src=0)
     opt = reference.make_optimizer("sgd", model.parameters(), 0.1)
@@ -166,32 +149,32 @@ def timeline_worker(rank, world_size, strategy, bucket_mb, dim, num_layers, batc
     start, and its time (the slowest rank's)."""
     model = reference.make_mlp(dim, num_layers, seed=0)
     batch = reference.mlp_data(seed=1, batch_size=batch_size, dim=dim)[0].shard(rank, world_size)
-    comm = []
-    module, after_backward = wrap(model, strategy, bucket_mb, timeline=comm)
+    module, after_backward = wrap(model, strategy, bucket_mb)
     opt = reference.make_optimizer("sgd", model.parameters(), 1e-3)
+    finishing = "naive all_reduces" if strategy == "naive" else "wait"
     measured = []
     for _ in range(steps):
-        comm.clear()
-        events = []
-        dist.barrier()
-        start = time.perf_counter()
-        opt.zero_grad()
-        loss = reference.mse_loss(module(batch.inputs), batch.targets)
-        events.append(("forward", 0.0, time.perf_counter() - start))
-        began = time.perf_counter()
-        loss.backward()  # the overlapped strategies launch their all_reduces in here
-        events.append(("backward", began - start, time.perf_counter() - start))
-        began = time.perf_counter()
-        after_backward()  # naive: every all_reduce, one after another; else: wait for them
-        events.append(("naive all_reduces" if strategy == "naive" else "wait",
-                       began - start, time.perf_counter() - start))
-        began = time.perf_counter()
-        opt.step()
-        events.append(("step", began - start, time.perf_counter() - start))
-        seconds = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # every rank gets the same times
-        events += [("all_reduce", launched - start, ended - start) for _, launched, ended in comm]
-        measured.append({"events": events, "step_seconds": seconds.item()})
+        observed = Observer()
+
+        def step(observed=observed):
+            with observed:
+                opt.zero_grad()
+                with observed.span("forward"):
+                    loss = reference.mse_loss(module(batch.inputs), batch.targets)
+                with observed.span("backward"):
+                    loss.backward()  # the overlapped strategies launch their all_reduces here
+                with observed.span(finishing):
+                    after_backward()  # naive: every all_reduce, one after another; else: wait
+                with observed.span("step"):
+                    opt.step()
+
+        seconds = slowest_rank_seconds(step)
+        start = observed.spans[0].start
+        events = [(span.label, span.start - start, span.end - start) for span in observed.spans]
+        events += [("all_reduce", record.launched - start, record.completed - start)
+                   for record in observed.records
+                   if record.name == "all_reduce" and record.completed is not None]
+        measured.append({"events": events, "step_seconds": seconds})
     later = sorted(measured[1:], key=lambda step: step["step_seconds"])
     return later[len(later) // 2]
 
@@ -206,34 +189,29 @@ def step_times_worker(rank, world_size, dim, layers, batch_size, bucket_mb, iter
     for strategy in STRATEGIES:
         model = reference.make_mlp(dim, layers, seed=0)
         module, after_backward = wrap(model, strategy, bucket_mb)
-        contenders[strategy] = (module, after_backward,
-                                reference.make_optimizer("sgd", model.parameters(), 1e-3))
-    timings = {strategy: [] for strategy in STRATEGIES}
-    for _ in range(iterations + 1):
-        for strategy, (module, after_backward, optimizer) in contenders.items():
-            timings[strategy].append(timed_step(module, optimizer, reference.mse_loss,
-                                                batch.inputs, batch.targets, after_backward))
+        optimizer = reference.make_optimizer("sgd", model.parameters(), 1e-3)
+        contenders[strategy] = functools.partial(
+            training_step, module, optimizer, reference.mse_loss, batch.inputs, batch.targets,
+            after_backward)
     # The first step of each is a warm-up (torch DDP rebuilds its buckets after it).
-    return {strategy: statistics.median(values[1:]) for strategy, values in timings.items()}
+    return take_turns(contenders, rounds=iterations, warmup=1)
 
 
 def back_to_back_worker(rank, world_size, sizes, repeats=10):
     """The time of one all_reduce of each of `sizes` (bytes) when calls follow each other with
     nothing in between, as DDP's do: `repeats` calls timed together, divided by `repeats` (the
     slowest rank's). Returns lesson 04's records (`bandwidths`), ready for `fit_alpha_beta`."""
-    from helpers.cost_model import bandwidths
-
     records = []
     for size in sizes:
         tensor = torch.randn(size // 4)
         dist.all_reduce(tensor)  # warm-up
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(tensor)
-        seconds = torch.tensor([(time.perf_counter() - started) / repeats])
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        records.append(bandwidths("all_reduce", world_size, size, seconds.item()))
+
+        def calls(tensor=tensor):
+            for _ in range(repeats):
+                dist.all_reduce(tensor)
+
+        seconds = slowest_rank_seconds(calls) / repeats
+        records.append(bandwidths("all_reduce", world_size, size, seconds))
     return records
 
 
@@ -243,23 +221,19 @@ def averaging_time_worker(rank, world_size, sizes, bucket_sizes, repeats=5):
     per gradient). Buckets are cut as DDP cuts them, from the last gradient. Returns, for each
     bucket size, the median time in seconds (the slowest rank's) and the buckets' sizes."""
     grads = [torch.randn(size) for size in reversed(sizes)]
-    contenders = {}
+    buckets = {}
     for bucket_bytes in bucket_sizes:
         indices = bucket_indices([grad.numel() * 4 for grad in grads], bucket_bytes)
-        contenders[bucket_bytes] = [torch.cat([grads[i] for i in bucket]) for bucket in indices]
-    timings = {bucket_bytes: [] for bucket_bytes in bucket_sizes}
-    for _ in range(repeats + 1):  # the first round is a warm-up
-        for bucket_bytes, buckets in contenders.items():
-            dist.barrier()
-            started = time.perf_counter()
-            for bucket in buckets:
-                dist.all_reduce(bucket, op=dist.ReduceOp.AVG)
-            seconds = torch.tensor([time.perf_counter() - started])
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-            timings[bucket_bytes].append(seconds.item())
-    return {bucket_bytes: {"seconds": sorted(values[1:])[repeats // 2],
-                           "bucket bytes": [b.numel() * 4 for b in contenders[bucket_bytes]]}
-            for bucket_bytes, values in timings.items()}
+        buckets[bucket_bytes] = [torch.cat([grads[i] for i in bucket]) for bucket in indices]
+
+    def averaging(tensors):
+        return lambda: [dist.all_reduce(bucket, op=dist.ReduceOp.AVG) for bucket in tensors]
+
+    seconds = take_turns({bucket_bytes: averaging(tensors)
+                          for bucket_bytes, tensors in buckets.items()}, rounds=repeats)
+    return {bucket_bytes: {"seconds": seconds[bucket_bytes],
+                           "bucket bytes": [b.numel() * 4 for b in buckets[bucket_bytes]]}
+            for bucket_bytes in bucket_sizes}
 
 
 def accumulation_worker(rank, world_size, model, batch, micro_batches, lr):
@@ -273,18 +247,19 @@ def accumulation_worker(rank, world_size, model, batch, micro_batches, lr):
     for variant in ("no_sync", "every micro-batch"):
         replica = copy.deepcopy(model)
         ddp = DDP(replica, bucket_mb=None)
-        for index, (inputs, targets) in enumerate(pieces):
-            last = index == len(pieces) - 1
-            quiet = variant == "no_sync" and not last
-            with ddp.no_sync() if quiet else contextlib.nullcontext():
-                (reference.mse_loss(ddp(inputs), targets) / micro_batches).backward()
-            if not quiet:
-                ddp.finish_gradient_synchronization()
+        with Observer() as observed:
+            for index, (inputs, targets) in enumerate(pieces):
+                last = index == len(pieces) - 1
+                quiet = variant == "no_sync" and not last
+                with ddp.no_sync() if quiet else contextlib.nullcontext():
+                    (reference.mse_loss(ddp(inputs), targets) / micro_batches).backward()
+                if not quiet:
+                    ddp.finish_gradient_synchronization()
         with torch.no_grad():
             for param in replica.parameters():
                 param -= lr * param.grad
         results[variant] = {"parameters": reference.parameters(replica),
-                            "all_reduce calls": ddp.all_reduce_calls}
+                            "all_reduce calls": observed.calls().get("all_reduce", 0)}
     return results
 
 
@@ -300,15 +275,15 @@ def sampler_worker(rank, world_size, dataset_size, epochs, drop_last):
 
 
 def bytes_per_step_worker(rank, world_size, model, batch):
-    """One training step whose gradients are averaged by lesson 05's ring all-reduce, which
-    counts the bytes it sends. Returns those bytes and the gradients' bytes."""
-    from helpers.how_all_reduce_works.algorithms import ring_all_reduce
-
+    """One training step whose gradients are summed by lesson 05's ring all-reduce. Returns the
+    bytes this rank sent and the gradients' bytes."""
     local = batch.shard(rank, world_size)
     reference.mse_loss(model(local.inputs), local.targets).backward()
     grads = torch.cat([param.grad.flatten() for param in model.parameters()])
-    sent = ring_all_reduce(grads)
-    return {"bytes sent": sent, "gradient bytes": grads.numel() * grads.element_size()}
+    with Observer() as observed:
+        ring_all_reduce(grads)
+    return {"bytes sent": observed.sent()["batch_isend_irecv"],
+            "gradient bytes": grads.numel() * grads.element_size()}
 
 
 def training_loop_worker(rank, world_size, model, inputs, targets, batch_size, accumulation,

@@ -2,9 +2,9 @@
 
 The bandwidth-optimal ring (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for
 clusters of workstations", 2009), and a binary tree (and NCCL's double binary tree, Sanders,
-Speck & Träff 2009). Each returns the bytes it sent, so the formulas can be checked, and the ring
-records a trace for the notebook's stepper. The ring here is the plain one, to read;
-`pipelined_ring` beside this file is the fast one, for benchmarks/ring.py.
+Speck & Träff 2009). The ring records a trace for the notebook's stepper; the bytes each sends
+are counted from outside (helpers.instrument.Observer), against the formulas. The ring here is
+the plain one, to read; `pipelined_ring` beside this file is the fast one, for benchmarks/ring.py.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import torch
 import torch.distributed as dist
 
 
-def ring_all_reduce(tensor, trace=None) -> int:
-    """Sum `tensor` across all ranks, in place, with a ring; return the bytes this rank sent.
+def ring_all_reduce(tensor, trace=None) -> None:
+    """Sum `tensor` across all ranks, in place, with a ring.
     Steps 0 .. n-2 reduce-scatter (add what arrives), steps n-1 .. 2n-3 all-gather (copy it).
     If `trace` is a list, (step, chunk sent, copy of the tensor) is appended after each step."""
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks = tensor.tensor_split(n)  # n views into `tensor`, whatever its size
     right, left = (rank + 1) % n, (rank - 1) % n
-    bytes_sent = 0
     for step in range(2 * (n - 1)):
         send, receive = (rank - step) % n, (rank - step - 1) % n
         incoming = torch.empty_like(chunks[receive])
@@ -31,10 +30,8 @@ def ring_all_reduce(tensor, trace=None) -> int:
             chunks[receive].add_(incoming)  # reduce-scatter: add
         else:
             chunks[receive].copy_(incoming)  # all-gather: copy
-        bytes_sent += chunks[send].numel() * tensor.element_size()
         if trace is not None:
             trace.append((step, send, tensor.clone()))
-    return bytes_sent
 
 
 def heap_tree(world_size) -> dict:
@@ -80,26 +77,21 @@ def nccl_double_tree(world_size) -> tuple:
     return first, second
 
 
-def tree_all_reduce(tensor, tree) -> int:
+def tree_all_reduce(tensor, tree) -> None:
     """Sum `tensor` across all ranks, in place, on `tree` ({rank: (parent, children)}): reduce up to
-    the root, then broadcast down. Returns the bytes this rank sent.
+    the root, then broadcast down.
 
     It takes about 2 log2 n rounds instead of the ring's 2(n-1). But an interior rank sends the
     whole tensor once up and once to each child: 3 times the tensor for a rank with a parent and two
     children, against the ring's 2(n-1)/n for everyone, and the leaves send it only once.
     """
     parent, children = tree[dist.get_rank()]
-    size = tensor.numel() * tensor.element_size()
-    bytes_sent = 0
     incoming = torch.empty_like(tensor)
     for child in children:  # reduce: wait for the children's partial sums
         dist.recv(incoming, src=child)
         tensor += incoming
     if parent is not None:
         dist.send(tensor, dst=parent)
-        bytes_sent += size
         dist.recv(tensor, src=parent)  # broadcast: the total comes back down
     for child in children:
         dist.send(tensor, dst=child)
-        bytes_sent += size
-    return bytes_sent

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 
 
-def pipelined_ring_all_reduce(tensor, segments=4) -> int:
-    """Sum `tensor` across all ranks, in place, with a pipelined ring. Returns the bytes sent.
+def pipelined_ring_all_reduce(tensor, segments=4) -> None:
+    """Sum `tensor` across all ranks, in place, with a pipelined ring.
 
     The chunk a rank receives at one step is the chunk it sends at the next. So each chunk travels
     in `segments` pieces, and every piece is forwarded as soon as it has arrived (and been added),
@@ -24,7 +24,8 @@ def pipelined_ring_all_reduce(tensor, segments=4) -> int:
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     if tensor.numel() < n * segments:  # too small to cut into pieces: the plain ring's job
-        return ring_all_reduce(tensor)
+        ring_all_reduce(tensor)
+        return
     right, left = (rank + 1) % n, (rank - 1) % n
     pieces = [list(chunk.tensor_split(segments)) for chunk in tensor.tensor_split(n)]
     steps = 2 * (n - 1)
@@ -42,7 +43,6 @@ def pipelined_ring_all_reduce(tensor, segments=4) -> int:
             request = dist.irecv(buffer, src=left, tag=step * segments + piece)
             incoming[step, piece] = (buffer, request)
     sends = [dist.isend(piece, dst=right, tag=index) for index, piece in enumerate(pieces[rank])]
-    bytes_sent = sum(piece.numel() * piece.element_size() for piece in pieces[rank])
     for step in range(steps):
         for piece, target in enumerate(pieces[received(step)]):
             buffer, request = incoming[step, piece]
@@ -53,10 +53,8 @@ def pipelined_ring_all_reduce(tensor, segments=4) -> int:
                 target.copy_(buffer)
             if step + 1 < steps:
                 sends.append(dist.isend(target, dst=right, tag=(step + 1) * segments + piece))
-                bytes_sent += target.numel() * target.element_size()
     for request in sends:
         request.wait()
-    return bytes_sent
 
 
 _WORKSPACES = {}

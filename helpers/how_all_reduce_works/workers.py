@@ -17,6 +17,7 @@ from helpers.how_all_reduce_works.algorithms import (
     tree_all_reduce,
 )
 from helpers.how_all_reduce_works.pipelined_ring import pipelined_ring_all_reduce
+from helpers.instrument import Observer
 from helpers.reference import seeded_randn
 
 
@@ -28,8 +29,9 @@ def ring_all_reduce_worker(rank, world_size, numel, seed, pipelined=False):
     data = seeded_randn(seed + rank, numel)
     reference = data.clone()
     dist.all_reduce(reference)
-    bytes_sent = (pipelined_ring_all_reduce if pipelined else ring_all_reduce)(data)
-    return {"result": data, "reference": reference, "bytes_sent": bytes_sent}
+    with Observer() as observed:
+        (pipelined_ring_all_reduce if pipelined else ring_all_reduce)(data)
+    return {"result": data, "reference": reference, "bytes_sent": sum(observed.sent().values())}
 
 
 def ring_trace_worker(rank, world_size):
@@ -51,13 +53,15 @@ def tree_all_reduce_worker(rank, world_size, numel, seed, double):
     data = seeded_randn(seed + rank, numel)
     reference = data.clone()
     dist.all_reduce(reference)
-    if double:
-        first, second = nccl_double_tree(world_size)
-        half, other_half = data.chunk(2)
-        bytes_sent = tree_all_reduce(half, first) + tree_all_reduce(other_half, second)
-    else:
-        bytes_sent = tree_all_reduce(data, heap_tree(world_size))
-    return {"result": data, "reference": reference, "bytes_sent": bytes_sent}
+    with Observer() as observed:
+        if double:
+            first, second = nccl_double_tree(world_size)
+            half, other_half = data.chunk(2)
+            tree_all_reduce(half, first)
+            tree_all_reduce(other_half, second)
+        else:
+            tree_all_reduce(data, heap_tree(world_size))
+    return {"result": data, "reference": reference, "bytes_sent": sum(observed.sent().values())}
 
 
 def ring_seconds(n, size_bytes, alpha, beta):

@@ -10,15 +10,24 @@ workers under torchrun: `torchrun`; what `run` returns, the backend and the devi
 How it is built, and why: README.md in this folder.
 """
 
-# In a Jupyter kernel the pool starts now, before this process imports torch below: the two
-# imports then run side by side.
+import importlib
+
+# In a Jupyter kernel the pool starts now, before this process imports torch: the two imports
+# then run side by side.
 from helpers.launcher.pool import warm_up
 
 warm_up(in_background=True, only_in_a_kernel=True)
 
-from helpers.launcher.launch import run, spawn  # noqa: E402
-from helpers.launcher.report import WorkerError, WorkerTimeout  # noqa: E402
-from helpers.launcher.result import RunResult, default_backend, get_device  # noqa: E402
+# The rest is loaded on first use, so that a rank, which imports `helpers` for its lessons'
+# modules, never loads the kernel-side launcher (tests/test_structure.py checks it).
+_HOMES = {"run": "launch", "spawn": "launch", "WorkerError": "report", "WorkerTimeout": "report",
+          "RunResult": "result", "default_backend": "result", "get_device": "result"}
 
 __all__ = ["RunResult", "WorkerError", "WorkerTimeout", "default_backend", "get_device", "run",
            "spawn", "warm_up"]
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"helpers.launcher.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'helpers.launcher' has no attribute {name!r}")

@@ -1,7 +1,8 @@
 """Lesson 04, measuring communication: notebooks/04_measuring_communication.ipynb.
 
 workers: timing in the ranks (torch only); the formulas are helpers.cost_model's and the published
-figures helpers.published's. plots: drawn in the kernel. exercises: the checked exercises;
+figures helpers.published's. experiments: the size sweeps, run from the kernel. plots: drawn in
+the kernel. exercises: the checked exercises;
 solutions: their reference solutions.
 """
 

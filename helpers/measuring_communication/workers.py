@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from helpers.cost_model import OPERATIONS, bandwidths
-from helpers.launcher import run
+from helpers.cost_model import OPERATIONS
+from helpers.timing import take_turns
 
 
 def _collective(op, size_bytes, world_size):
@@ -44,31 +44,8 @@ def benchmark_worker(rank, world_size, op, size_bytes, warmup, iterations):
 
     nccl-tests instead times its iterations back to back, with no barrier between them, takes the
     mean per iteration, and averages it over the ranks (src/common.cu, defaults -n 20 -z 0 -a 1)."""
-    call = _collective(op, size_bytes, world_size)
-    for _ in range(warmup):
-        call()
-    times = torch.empty(iterations, dtype=torch.float64)
-    for i in range(iterations):
-        dist.barrier()
-        started = time.perf_counter()
-        call()
-        times[i] = time.perf_counter() - started
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return float(times.median())
-
-
-def sweep(op, world_size, sizes, warmup=2, iterations=10, progress=None) -> list:
-    """Measure `op` at every size (one launch per size; Ctrl-C stops it cleanly between or during
-    launches). `progress`, e.g. a helpers.notebook.progress_bar, advances by one per size.
-    Returns one `bandwidths` record per size."""
-    records = []
-    for size_bytes in sizes:
-        seconds = run(benchmark_worker, world_size, args=(op, size_bytes, warmup, iterations),
-                      show_output=False, timeout=300)[0]
-        records.append(bandwidths(op, world_size, size_bytes, seconds))
-        if progress is not None:
-            progress.value += 1
-    return records
+    return take_turns({op: _collective(op, size_bytes, world_size)}, rounds=iterations,
+                      warmup=warmup)[op]
 
 
 def memory_copy_bandwidth(size_bytes=64 * 2**20, repeats=7) -> float:

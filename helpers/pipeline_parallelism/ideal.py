@@ -1,13 +1,13 @@
 """The schedules with ideal timings: every stage takes the same time, communication takes none
 (lesson 09). The same rules as `schedule.pipeline_step`, played out with a clock: a forward of
 micro-batch i on rank r starts once rank r - 1 has finished its forward of i and rank r is free;
-a backward once rank r + 1 has finished its backward of i. zb's weight gradients W fill the time
-a rank would wait, one whole W at a time, and run before a forward that would otherwise keep
-more than p - r micro-batches; the rest run at the end, as in pipeline_step."""
+a backward once rank r + 1 has finished its backward of i. zb's weight gradients W are placed by
+the same rule as in pipeline_step (`schedule.next_action`), one whole W at a time; the rest run
+at the end."""
 
 from __future__ import annotations
 
-from helpers.pipeline_parallelism.schedule import Event, schedule_order
+from helpers.pipeline_parallelism.schedule import Event, next_action, schedule_order
 
 
 def simulate(schedule: str, num_stages: int, num_micro_batches: int, forward: float = 1.0,
@@ -44,8 +44,8 @@ def simulate(schedule: str, num_stages: int, num_micro_batches: int, forward: fl
                 ready = ready_at(rank, kind, i)
                 if ready is None:
                     break  # waits for another rank, which must move first
-                while split and pending_w[rank] and (
-                        ready > clock[rank] or (kind == "F" and len(kept[rank]) >= p - rank)):
+                while next_action(kind, len(pending_w[rank]), len(kept[rank]), p, rank,
+                                  message_ready=ready <= clock[rank]) == "W":
                     run(rank, "W", pending_w[rank].pop(0), clock[rank], backward - b_time)
                 orders[rank].pop(0)
                 run(rank, kind, i, max(clock[rank], ready), forward if kind == "F" else b_time)

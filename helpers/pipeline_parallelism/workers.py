@@ -7,15 +7,14 @@ rank feeds the inputs and the last the targets. Gradients come back named as in 
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 
 from helpers import reference
-from helpers.pipeline_parallelism.schedule import pipeline_step
+from helpers.instrument import Observer
+from helpers.pipeline_parallelism.schedule import events, pipeline_step
 from helpers.pipeline_parallelism.stages import mlp_stage, stage_layer_names
+from helpers.timing import take_turns
 
 
 def _ends(rank, world_size, batch):
@@ -30,15 +29,17 @@ def _named_grads(stage, rank, world_size, num_layers):
 
 def step_worker(rank, world_size, model, batch, num_micro_batches, schedule):
     """One pipeline_step, after a barrier: the loss (last rank), this stage's gradients, its
-    event log, and when it started and ended (time.perf_counter(): one clock for all ranks)."""
+    event log (schedule.events), and when it started and ended (time.perf_counter(): one clock
+    for all ranks)."""
     stage = mlp_stage(model, rank, world_size)
     inputs, targets = _ends(rank, world_size, batch)
     dist.barrier()
-    result = pipeline_step(stage, inputs, targets, reference.mse_loss, num_micro_batches,
-                           schedule)
-    return {"loss": result.loss, "grads": _named_grads(stage, rank, world_size,
-                                                       len(model.layers)),
-            "events": result.events, "start": result.start, "end": result.end}
+    with Observer(memory_of=stage) as observed, observed.span("step"):
+        loss = pipeline_step(stage, inputs, targets, reference.mse_loss, num_micro_batches,
+                             schedule)
+    step = observed.spans[-1]
+    return {"loss": loss, "grads": _named_grads(stage, rank, world_size, len(model.layers)),
+            "events": events(observed.spans, schedule), "start": step.start, "end": step.end}
 
 
 def _torch_schedule(stage, rank, world_size, num_micro_batches, schedule):
@@ -87,24 +88,20 @@ def step_times_worker(rank, world_size, model, batch, num_micro_batches, iterati
     inputs, targets = _ends(rank, world_size, batch)
     steps = {
         "hand-built 1F1B": lambda: pipeline_step(stages["hand-built 1F1B"], inputs, targets,
-                                                 reference.mse_loss, num_micro_batches, "1f1b",
-                                                 track_memory=False),
+                                                 reference.mse_loss, num_micro_batches, "1f1b"),
         "torch Schedule1F1B": lambda: _torch_step(runner, rank, world_size, batch),
         "hand-built zb": lambda: pipeline_step(stages["hand-built zb"], inputs, targets,
-                                               reference.mse_loss, num_micro_batches, "zb",
-                                               track_memory=False),
+                                               reference.mse_loss, num_micro_batches, "zb"),
     }
-    times = {name: [] for name in CONTENDERS}
-    for _ in range(iterations + 1):  # the first round warms up
-        for name in CONTENDERS:
+
+    def from_zero_gradients(name):
+        def step():
             stages[name].zero_grad()
-            dist.barrier()
-            started = time.perf_counter()
             steps[name]()
-            elapsed = torch.tensor([time.perf_counter() - started])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[name].append(elapsed.item())
-    return {name: statistics.median(values[1:]) for name, values in times.items()}
+        return step
+
+    return take_turns({name: from_zero_gradients(name) for name in CONTENDERS},
+                      rounds=iterations)
 
 
 def bubble_worker(rank, world_size, width, num_layers, batch_size, num_micro_batches, schedule,
@@ -120,7 +117,8 @@ def bubble_worker(rank, world_size, width, num_layers, batch_size, num_micro_bat
     for _ in range(steps + 1):  # the first step warms up
         stage.zero_grad()
         dist.barrier()
-        result = pipeline_step(stage, inputs, targets, reference.mse_loss, num_micro_batches,
-                               schedule)
-        measured.append({"events": result.events, "start": result.start})
+        with Observer() as observed, observed.span("step"):
+            pipeline_step(stage, inputs, targets, reference.mse_loss, num_micro_batches, schedule)
+        measured.append({"events": events(observed.spans, schedule),
+                         "start": observed.spans[-1].start})
     return measured[1:]

@@ -1,6 +1,7 @@
 """Lesson 01, processes and process groups: notebooks/01_processes_and_groups.ipynb.
 
-workers: run in the ranks (torch only). plots: drawn in the kernel. exercises: the checked
+workers: run in the ranks (torch only). experiments: run from the kernel (they start ranks).
+plots: drawn in the kernel. exercises: the checked
 exercises; solutions: their reference solutions.
 """
 

@@ -6,12 +6,9 @@ Workers return plain data; the pictures are drawn in the kernel (`plots` beside 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-
-from helpers.launcher import run
 
 
 def busy_loop(iterations: int) -> int:
@@ -28,26 +25,6 @@ def busy_worker(rank, world_size, iterations):
     started = time.perf_counter()
     busy_loop(iterations)
     return time.perf_counter() - started
-
-
-def time_threads_and_processes(worker_counts, iterations) -> dict:
-    """Wall time of `n` copies of the busy loop, as n threads in this process and as n ranks;
-    and how long one copy takes alone, in this process and inside a rank."""
-    timings = {"workers": list(worker_counts), "threads": [], "processes": []}
-    run(busy_worker, 1, args=(1,), show_output=False)  # start the launcher before timing it
-    started = time.perf_counter()
-    busy_loop(iterations)
-    timings["one copy here"] = time.perf_counter() - started
-    timings["one copy in a rank"] = run(busy_worker, 1, args=(iterations,), show_output=False)[0]
-    for count in worker_counts:
-        started = time.perf_counter()
-        with ThreadPoolExecutor(count) as pool:
-            list(pool.map(busy_loop, [iterations] * count))
-        timings["threads"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        run(busy_worker, count, args=(iterations,), show_output=False, threads_per_rank=1)
-        timings["processes"].append(time.perf_counter() - started)
-    return timings
 
 
 def skipped_group_worker(rank, world_size, then_another):

@@ -17,7 +17,7 @@ import time
 import torch.distributed as dist
 
 from helpers import reference
-from helpers.instrument import CommCounter, saved_activations, saved_bytes
+from helpers.instrument import Observer, saved_activations, saved_bytes
 from helpers.tensor_parallelism.megatron import (
     parallelize_block,
     parallelize_feed_forward,
@@ -41,15 +41,17 @@ def forward_backward(module, inputs, targets, total):
     gradient (by name), the activation bytes kept, and per pass the bytes sent and the calls
     made by collective."""
     inputs = inputs.clone().requires_grad_()
-    with CommCounter() as forward, saved_activations(module) as saved:
-        outputs = module(inputs)
-    with CommCounter() as backward:
-        _squared_error(outputs, targets, total).backward()
+    with Observer() as observed:
+        with observed.span("forward"), saved_activations(module) as saved:
+            outputs = module(inputs)
+        with observed.span("backward"):
+            _squared_error(outputs, targets, total).backward()
+    passes = ("forward", "backward")
     return {"output": outputs.detach(), "input_grad": inputs.grad,
             "grads": {name: param.grad for name, param in module.named_parameters()},
             "activation_bytes": saved_bytes(saved),
-            "sent": {"forward": forward.sent, "backward": backward.sent},
-            "calls": {"forward": forward.calls, "backward": backward.calls}}
+            "sent": {span: observed.sent(span) for span in passes},
+            "calls": {span: observed.calls(span) for span in passes}}
 
 
 def mlp_worker(rank, world_size, feed_forward, inputs, targets):
@@ -103,9 +105,9 @@ def communication_share_worker(rank, world_size, dim, heads, batch, seq_len, ite
     steps, communication = [], []
     for _ in range(iterations + 1):
         dist.barrier()
-        with CommCounter() as counter:
+        with Observer() as observed:
             started = time.perf_counter()
             block(inputs).square().mean().backward()
             steps.append(time.perf_counter() - started)
-        communication.append(sum(counter.seconds.values()))
+        communication.append(sum(observed.seconds().values()))
     return statistics.median(steps[1:]), statistics.median(communication[1:])

@@ -7,7 +7,7 @@ Stage 0 is lesson 06's data parallelism (the naive loop), 1 and 2 `ShardedOptimi
 from __future__ import annotations
 
 import copy
-import statistics
+import functools
 import warnings
 
 import torch
@@ -16,8 +16,8 @@ from torch import nn
 
 from helpers import reference
 from helpers.data_parallelism.ddp import average_gradients
-from helpers.instrument import CommCounter
-from helpers.timing import timed_step
+from helpers.instrument import Observer
+from helpers.timing import take_turns, training_step
 from helpers.zero_and_fsdp.fsdp import FSDP
 from helpers.zero_and_fsdp.memory import held_bytes
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
@@ -128,14 +128,14 @@ def memory_worker(rank, world_size, stage, model, batches, loss="lm"):
     for step, batch in enumerate(batches[:2]):
         local = batch.shard(rank, world_size)
         trainer.optimizer.zero_grad()
-        with CommCounter() as sent:
+        with Observer() as observed:
             loss_fn(trainer.module(local.inputs), local.targets).backward()
             trainer.after_backward()
             if step == 1:
                 held = held_bytes(trainer.module, trainer.optimizer)
             trainer.optimizer.step()
     gathered = trainer.module.gathered.peak if stage == 3 else 0
-    return {"held": held, "sent": dict(sent.sent), "calls": dict(sent.calls),
+    return {"held": held, "sent": observed.sent(), "calls": observed.calls(),
             "gathered peak": gathered}
 
 
@@ -260,16 +260,19 @@ def step_times_worker(rank, world_size, model, batch, iterations):
 
 def _take_turns(contenders: dict, local, iterations: int):
     """Train each contender, {name: (module, optimizer, after_backward)}, one step after the
-    other. Returns each one's median step time and the bytes it holds."""
-    timings = {name: [] for name in contenders}
+    other (helpers.timing). Returns each one's median step time, and the bytes it holds in one
+    more step, between backward and the optimizer's step (gradients and optimizer state
+    allocated)."""
+    steps = {name: functools.partial(training_step, module, optimizer, reference.lm_loss,
+                                     local.inputs, local.targets, after_backward)
+             for name, (module, optimizer, after_backward) in contenders.items()}
+    seconds = take_turns(steps, rounds=iterations)
     held = {}
-    for round_ in range(iterations + 2):  # round 0 warms up; the last, untimed, counts bytes
-        for name, (module, optimizer, after_backward) in contenders.items():
-            count_bytes = None
-            if round_ == iterations + 1:
-                def count_bytes(name=name, module=module, optimizer=optimizer):
-                    held[name] = held_bytes(module, optimizer)
-            timings[name].append(timed_step(module, optimizer, reference.lm_loss, local.inputs,
-                                            local.targets, after_backward,
-                                            before_step=count_bytes))
-    return {name: statistics.median(values[1:-1]) for name, values in timings.items()}, held
+    for name, (module, optimizer, after_backward) in contenders.items():
+        def finish_and_count(name=name, module=module, optimizer=optimizer, finish=after_backward):
+            if finish is not None:
+                finish()
+            held[name] = held_bytes(module, optimizer)
+        training_step(module, optimizer, reference.lm_loss, local.inputs, local.targets,
+                      finish_and_count)
+    return seconds, held
