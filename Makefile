@@ -28,15 +28,13 @@ lab: setup
 # and round in other orders, as another CPU would. The outputs and tolerances must not care
 # (helpers/tolerance.py).
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
-NUMERICAL_TESTS := tests/test_reference.py tests/test_tolerance.py tests/test_collectives.py \
-	tests/test_how_all_reduce_works.py tests/test_data_parallelism.py tests/test_zero_and_fsdp.py \
-	tests/test_tensor_parallelism.py tests/test_pipeline_parallelism.py tests/test_composing*.py
+# The tests whose results are numbers declare `pytestmark = pytest.mark.numerical`.
 OTHER_CPU := ATEN_CPU_CAPABILITY=default
 
 test: setup lint
 	$(PY) -m pytest -n 2 tests --ignore=tests/test_browser.py
 	$(PY) -m pytest -n 2 --dist loadfile $(NBVAL) $(NOTEBOOKS) tests/test_browser.py
-	$(OTHER_CPU) $(PY) -m pytest -n 2 $(NUMERICAL_TESTS)
+	$(OTHER_CPU) $(PY) -m pytest -n 2 -m numerical tests --ignore=tests/test_browser.py
 	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) $(NOTEBOOKS)
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the

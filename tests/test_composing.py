@@ -16,6 +16,9 @@ from torch import nn
 from helpers import reference, run
 from helpers.composing import mesh, plots, strategy, workers
 
+# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
+pytestmark = pytest.mark.numerical
+
 STEPS = 10
 
 

@@ -17,6 +17,9 @@ from compare import labelled
 from helpers import WorkerError, reference, run
 from helpers.composing import experts, plots
 
+# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
+pytestmark = pytest.mark.numerical
+
 MOE_DIM, MOE_TOKENS_PER_RANK = 8, 12
 # (world size = experts, k, capacity factor): top-1 and top-2 on 2 and 4 ranks, with and
 # without the capacity limit

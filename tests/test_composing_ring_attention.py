@@ -18,6 +18,9 @@ from helpers import run
 from helpers.composing import plots
 from helpers.composing import ring_attention as ring
 
+# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
+pytestmark = pytest.mark.numerical
+
 RING_SHAPES = [(1, 2, 24, 4), (2, 3, 48, 8)]  # (batch, heads, seq_len, head_dim): seq_len / 2N
 
 

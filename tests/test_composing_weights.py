@@ -18,6 +18,9 @@ from compare import labelled
 from helpers import reference, run
 from helpers.composing import plots, weights
 
+# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
+pytestmark = pytest.mark.numerical
+
 WEIGHTS_STEPS, NEW_TOKENS = 3, 6
 
 

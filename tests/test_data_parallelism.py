@@ -22,6 +22,9 @@ from helpers.data_parallelism import ddp as hand_built
 from helpers.data_parallelism import experiments, plots, step_model, widgets, workers
 from helpers.instrument import Observer
 
+# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
+pytestmark = pytest.mark.numerical
+
 
 def mlp_and_batches(batch_size=8, steps=5):
     return (reference.make_mlp(dim=16, num_layers=3, seed=0),

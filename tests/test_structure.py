@@ -4,6 +4,7 @@ kernel side; each lesson's
 docstring names exactly its files."""
 
 import ast
+import importlib
 import json
 import pathlib
 import re
@@ -17,17 +18,11 @@ from helpers import lessons
 HELPERS = pathlib.Path(__file__).resolve().parent.parent / "helpers"
 LESSONS = {lesson.package.split(".")[-1] for lesson in lessons.lessons()}
 
-# Where a later lesson builds on an earlier lesson's strategy, as the course says it does:
-# (importing lesson, imported module). Shared tools live in helpers/ itself, never here.
-BUILDS_ON = {
-    ("zero_and_fsdp", "data_parallelism.ddp"),  # ZeRO stage 0 is lesson 06's data parallelism
-    ("composing", "data_parallelism.ddp"),  # DDP around tensor-parallel blocks; its buckets
-    ("composing", "tensor_parallelism.megatron"),  # lesson 08's blocks and plan on a mesh
-    ("composing", "pipeline_parallelism.schedule"),  # lesson 09's pipeline_step on a mesh
-    ("composing", "zero_and_fsdp.memory"),  # the projection: lesson 07's memory formulas
-    ("composing", "tensor_parallelism.cost"),  # the projection: lesson 08's bytes per layer
-    ("data_parallelism", "how_all_reduce_works.algorithms"),  # lesson 05's ring, on gradients
-}
+# Where a later lesson builds on an earlier lesson's strategy, as the course says it does: each
+# lesson package declares it (BUILDS_ON, module -> why). Shared tools live in helpers/ itself.
+BUILDS_ON = {(lesson.package.split(".")[-1], module)
+             for lesson in lessons.lessons()
+             for module in getattr(importlib.import_module(lesson.package), "BUILDS_ON", {})}
 
 
 def module_name(path: pathlib.Path) -> str:

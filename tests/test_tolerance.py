@@ -1,8 +1,12 @@
 """helpers.tolerance: the bound and the verdict the notebooks print, against their formulas."""
 
+import pytest
 import torch
 
 from helpers import reference, tolerance
+
+# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
+pytestmark = pytest.mark.numerical
 
 
 def test_the_bound_is_epsilon_times_terms_times_scale_times_steps():

@@ -21,6 +21,9 @@ from helpers.instrument import Observer
 from helpers.zero_and_fsdp import memory, plots, sharding, widgets, workers
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
+# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
+pytestmark = pytest.mark.numerical
+
 
 def lm_and_batches(tie_weights=True):
     return (reference.make_lm(tie_weights=tie_weights, seed=0),

@@ -11,3 +11,12 @@ exercises: the checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "10_composing.ipynb"
+
+# Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
+BUILDS_ON = {
+    "data_parallelism.ddp": "DDP around tensor-parallel blocks; its buckets",
+    "tensor_parallelism.megatron": "lesson 08's blocks and plan on a mesh",
+    "pipeline_parallelism.schedule": "lesson 09's pipeline_step on a mesh",
+    "zero_and_fsdp.memory": "the projection: lesson 07's memory formulas",
+    "tensor_parallelism.cost": "the projection: lesson 08's bytes per layer",
+}

@@ -9,3 +9,8 @@ reference solutions.
 """
 
 NOTEBOOK = "06_data_parallelism.ipynb"
+
+# Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
+BUILDS_ON = {
+    "how_all_reduce_works.algorithms": "lesson 05's ring, on gradients",
+}

@@ -8,3 +8,8 @@ the kernel. exercises and solutions: the checked exercises.
 """
 
 NOTEBOOK = "07_zero_and_fsdp.ipynb"
+
+# Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
+BUILDS_ON = {
+    "data_parallelism.ddp": "ZeRO stage 0 is lesson 06's data parallelism",
+}
