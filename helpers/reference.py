@@ -207,9 +207,11 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# name -> (class, settings): a class and its settings, for code that builds its own inner
+# optimizer (lesson 07's ShardedOptimizer)
 OPTIMIZERS = {
-    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
-    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    "adamw": (torch.optim.AdamW, {"weight_decay": 0.01}),
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
 }
 
 
@@ -217,7 +219,8 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     """The course's optimizers: AdamW (weight decay 0.01) and SGD (momentum 0.9)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {list(OPTIMIZERS)}")
-    return OPTIMIZERS[name](params, lr)
+    optimizer_class, settings = OPTIMIZERS[name]
+    return optimizer_class(params, lr=lr, **settings)
 
 
 @dataclass

@@ -5,6 +5,7 @@ docstring names exactly its files."""
 
 import ast
 import importlib
+import inspect
 import json
 import pathlib
 import re
@@ -130,4 +131,27 @@ def test_notebooks_use_no_private_name_and_print_no_docstring():
                 # lesson prose lives in the notebook: a docstring is for maintainers, and
                 # editing one must not change what a lesson shows
                 found += [f"{path.name}: prints a __doc__"] if "__doc__" in source else []
+    assert found == []
+
+
+def shown_code(path: pathlib.Path) -> dict:
+    """{expression: the source show_code displays} for every show_code(...) in a notebook,
+    resolved with the notebook's own import lines."""
+    cells = ["".join(cell["source"]) for cell in json.loads(path.read_text())["cells"]
+             if cell["cell_type"] == "code"]
+    namespace = {}
+    for line in "\n".join(cells).splitlines():
+        if line.startswith(("import ", "from ")):
+            exec(line, namespace)
+    shown = re.findall(r"show_code\(([\w.]+)\)", "\n".join(cells))
+    return {name: inspect.getsource(eval(name, namespace)) for name in shown}
+
+
+def test_the_code_a_notebook_shows_calls_no_private_helper():
+    """A learner reading shown code can look up every function it calls by a public name."""
+    calls = re.compile(r"(?<![\w])\.?(_[a-z]\w*)\(")
+    found = [f"{path.name}: {name} calls {helper}"
+             for path in sorted((HELPERS.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+             for name, source in shown_code(path).items()
+             for helper in sorted(set(calls.findall(source)))]
     assert found == []

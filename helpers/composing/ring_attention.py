@@ -150,14 +150,14 @@ class RingAttentionResult:
     compute_seconds: float
 
 
-def _pass_on(block, arriving, rank, world_size, tag=0):
+def pass_on(block, arriving, rank, world_size, tag=0):
     """Start sending `block` to rank + 1 and receiving the next one from rank - 1 (into
     `arriving`); the backward's two kinds of message differ by their tag."""
     return [dist.isend(block, dst=(rank + 1) % world_size, tag=tag),
             dist.irecv(arriving, src=(rank - 1) % world_size, tag=tag)]
 
 
-def _attend(partials, query_chunks, queries, key_chunks, kv):
+def attend(partials, query_chunks, queries, key_chunks, kv):
     """Our query chunks against one visiting K/V block, each partial merged into `partials`
     (one (out, lse) or None per query chunk). Returns the visible (query, key) pairs and the
     scores computed."""
@@ -194,10 +194,10 @@ def ring_attention(q, k, v, layout: str = "contiguous") -> RingAttentionResult:
         last = step == world_size - 1
         if not last:  # the next block's transfer starts before we compute on this one
             kv_next = torch.empty_like(kv)
-            transfers = _pass_on(kv, kv_next, rank, world_size)
+            transfers = pass_on(kv, kv_next, rank, world_size)
         source = (rank - step) % world_size  # whose K/V we hold at this step
         started = time.thread_time()
-        work = _attend(partials, query_chunks, queries, chunks_held(source, world_size, layout),
+        work = attend(partials, query_chunks, queries, chunks_held(source, world_size, layout),
                        kv)
         visible, computed = visible + work[0], computed + work[1]
         seconds += time.thread_time() - started
@@ -264,7 +264,7 @@ def ring_attention_backward(q, k, v, output, lse, grad_output, layout: str = "co
         last = step == world_size - 1
         if not last:
             kv_next = torch.empty_like(kv)
-            transfers = _pass_on(kv, kv_next, rank, world_size, tag=0)
+            transfers = pass_on(kv, kv_next, rank, world_size, tag=0)
         source = (rank - step) % world_size
         grad_kv = _attend_backward(saved, query_chunks, chunks_held(source, world_size, layout),
                                    kv, grad_q)
@@ -274,7 +274,7 @@ def ring_attention_backward(q, k, v, output, lse, grad_output, layout: str = "co
                 transfer.wait()
             grad_kv += received
         received = torch.empty_like(grad_kv)
-        arriving = received, _pass_on(grad_kv, received, rank, world_size, tag=1)
+        arriving = received, pass_on(grad_kv, received, rank, world_size, tag=1)
         if not last:
             for transfer in transfers:
                 transfer.wait()

@@ -30,7 +30,7 @@ def grid_worker(rank, world_size, dims, sizes):
                   dist.get_process_group_ranks(mesh.get_group(dim))) for dim in dims}
 
 
-def _mean_over(value: float, group) -> float:
+def mean_over(value: float, group) -> float:
     """The mean of `value` over the ranks of `group` (each data-parallel rank's loss is the mean
     over its slice; the batch's loss is the mean of those)."""
     value = torch.tensor([value], dtype=torch.float64)  # a Python float's own precision
@@ -57,7 +57,7 @@ def dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
         loss.backward()
         model.finish_gradient_synchronization()  # data parallelism: wait for the dp averages
         optimizer.step()
-        losses.append(_mean_over(loss.item(), groups["dp"]))
+        losses.append(mean_over(loss.item(), groups["dp"]))
     return {"place": place, "losses": losses,
             "parameters": reference.parameters(model.module)}
 
@@ -83,7 +83,7 @@ def dp_tp_pp_worker(rank, world_size, model, batches, sizes, micro_batches=2, lr
         average_gradients(stage, groups["dp"])  # data parallelism: one all_reduce per parameter
         optimizer.step()
         if stage.last:
-            losses.append(_mean_over(loss, groups["dp"]))
+            losses.append(mean_over(loss, groups["dp"]))
     return {"place": place, "losses": losses if stage.last else None,
             "parameters": reference.parameters(stage)}
 
@@ -114,7 +114,7 @@ def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
         loss = reference.lm_loss(model(local.inputs), local.targets)
         loss.backward()
         optimizer.step()
-        losses.append(_mean_over(loss.item(), mesh.get_group("dp")))
+        losses.append(mean_over(loss.item(), mesh.get_group("dp")))
     layouts = {name: (param.device_mesh.mesh_dim_names, tuple(map(repr, param.placements)),
                       tuple(param.to_local().shape))
                for name, param in model.named_parameters()}

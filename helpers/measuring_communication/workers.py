@@ -17,7 +17,7 @@ from helpers.cost_model import OPERATIONS
 from helpers.timing import take_turns
 
 
-def _collective(op, size_bytes, world_size):
+def collective_call(op, size_bytes, world_size):
     """Allocate the buffers of `op` for an array of `size_bytes` and return a call that runs it."""
     numel = max(world_size, size_bytes // 4 // world_size * world_size)  # float32, divisible by n
     whole, shard = torch.randn(numel), torch.randn(numel // world_size)
@@ -44,7 +44,7 @@ def benchmark_worker(rank, world_size, op, size_bytes, warmup, iterations):
 
     nccl-tests instead times its iterations back to back, with no barrier between them, takes the
     mean per iteration, and averages it over the ranks (src/common.cu, defaults -n 20 -z 0 -a 1)."""
-    return take_turns({op: _collective(op, size_bytes, world_size)}, rounds=iterations,
+    return take_turns({op: collective_call(op, size_bytes, world_size)}, rounds=iterations,
                       warmup=warmup)[op]
 
 

@@ -141,7 +141,7 @@ def pipeline_step(stage: nn.Module, inputs, targets, loss_fn, num_micro_batches:
     last its `targets` and `loss_fn(outputs, targets)` (a mean over the micro-batch); the others
     pass None. Returns the batch's mean loss on the last rank, None elsewhere."""
     messages = Messages(group)
-    chunks = _micro_batches(messages, inputs, targets, num_micro_batches)
+    chunks = split_micro_batches(messages, inputs, targets, num_micro_batches)
     if schedule == "zb" and not isinstance(stage, nn.Sequential):
         raise TypeError("the zb schedule needs an nn.Sequential stage: it computes each layer's "
                         "weight gradient on its own")
@@ -173,7 +173,7 @@ def pipeline_step(stage: nn.Module, inputs, targets, loss_fn, num_micro_batches:
     return sum(compute.losses) if messages.last else None
 
 
-def _micro_batches(messages, inputs, targets, num_micro_batches) -> dict:
+def split_micro_batches(messages, inputs, targets, num_micro_batches) -> dict:
     chunks = {}
     for name, batch, needed in (("inputs", inputs, messages.first),
                                 ("targets", targets, messages.last)):

@@ -22,7 +22,7 @@ def _ends(rank, world_size, batch):
     return (batch.inputs if first else None), (batch.targets if last else None)
 
 
-def _named_grads(stage, rank, world_size, num_layers):
+def named_grads(stage, rank, world_size, num_layers):
     names = stage_layer_names(rank, world_size, num_layers)
     return {names[name]: param.grad for name, param in stage.named_parameters()}
 
@@ -38,11 +38,11 @@ def step_worker(rank, world_size, model, batch, num_micro_batches, schedule):
         loss = pipeline_step(stage, inputs, targets, reference.mse_loss, num_micro_batches,
                              schedule)
     step = observed.spans[-1]
-    return {"loss": loss, "grads": _named_grads(stage, rank, world_size, len(model.layers)),
+    return {"loss": loss, "grads": named_grads(stage, rank, world_size, len(model.layers)),
             "events": events(observed.spans, schedule), "start": step.start, "end": step.end}
 
 
-def _torch_schedule(stage, rank, world_size, num_micro_batches, schedule):
+def torch_schedule(stage, rank, world_size, num_micro_batches, schedule):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -54,7 +54,7 @@ def _torch_schedule(stage, rank, world_size, num_micro_batches, schedule):
     return kinds[schedule](pipe_stage, num_micro_batches, loss_fn=reference.mse_loss)
 
 
-def _torch_step(runner, rank, world_size, batch):
+def torch_step(runner, rank, world_size, batch):
     inputs, targets = _ends(rank, world_size, batch)
     losses = []
     if rank == 0:
@@ -70,9 +70,9 @@ def torch_step_worker(rank, world_size, model, batch, num_micro_batches, schedul
     """The same step with torch.distributed.pipelining: a PipelineStage per rank and
     ScheduleGPipe or Schedule1F1B."""
     stage = mlp_stage(model, rank, world_size)
-    runner = _torch_schedule(stage, rank, world_size, num_micro_batches, schedule)
-    loss = _torch_step(runner, rank, world_size, batch)
-    return {"loss": loss, "grads": _named_grads(stage, rank, world_size, len(model.layers))}
+    runner = torch_schedule(stage, rank, world_size, num_micro_batches, schedule)
+    loss = torch_step(runner, rank, world_size, batch)
+    return {"loss": loss, "grads": named_grads(stage, rank, world_size, len(model.layers))}
 
 
 CONTENDERS = ("hand-built 1F1B", "torch Schedule1F1B", "hand-built zb")
@@ -83,13 +83,13 @@ def step_times_worker(rank, world_size, model, batch, num_micro_batches, iterati
     taking turns; each step starts after a barrier and lasts as long as its slowest rank.
     Returns each one's median step seconds."""
     stages = {name: mlp_stage(model, rank, world_size) for name in CONTENDERS}
-    runner = _torch_schedule(stages["torch Schedule1F1B"], rank, world_size, num_micro_batches,
+    runner = torch_schedule(stages["torch Schedule1F1B"], rank, world_size, num_micro_batches,
                              "1f1b")
     inputs, targets = _ends(rank, world_size, batch)
     steps = {
         "hand-built 1F1B": lambda: pipeline_step(stages["hand-built 1F1B"], inputs, targets,
                                                  reference.mse_loss, num_micro_batches, "1f1b"),
-        "torch Schedule1F1B": lambda: _torch_step(runner, rank, world_size, batch),
+        "torch Schedule1F1B": lambda: torch_step(runner, rank, world_size, batch),
         "hand-built zb": lambda: pipeline_step(stages["hand-built zb"], inputs, targets,
                                                reference.mse_loss, num_micro_batches, "zb"),
     }

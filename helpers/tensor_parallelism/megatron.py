@@ -144,7 +144,7 @@ def sequence_shard(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return x[:, rank * size:(rank + 1) * size]
 
 
-def _slice(size: int, group) -> slice:
+def my_slice(size: int, group) -> slice:
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if size % world_size:
         raise ValueError(f"{size} features do not split over {world_size} ranks")
@@ -152,7 +152,7 @@ def _slice(size: int, group) -> slice:
     return slice(rank * part, (rank + 1) * part)
 
 
-def _parameter(tensor: torch.Tensor) -> nn.Parameter:
+def parameter_copy(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor.detach().clone())
 
 
@@ -164,9 +164,9 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group=None, copy_input: bool = True):
         super().__init__()
-        rows = _slice(linear.out_features, group)
-        self.weight = _parameter(linear.weight[rows])
-        self.bias = _parameter(linear.bias[rows]) if linear.bias is not None else None
+        rows = my_slice(linear.out_features, group)
+        self.weight = parameter_copy(linear.weight[rows])
+        self.bias = parameter_copy(linear.bias[rows]) if linear.bias is not None else None
         self.group, self.copy_input = group, copy_input
 
     def forward(self, x):
@@ -182,9 +182,9 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group=None, sequence_parallel: bool = False):
         super().__init__()
-        columns = _slice(linear.in_features, group)
-        self.weight = _parameter(linear.weight[:, columns])
-        self.bias = _parameter(linear.bias) if linear.bias is not None else None
+        columns = my_slice(linear.in_features, group)
+        self.weight = parameter_copy(linear.weight[:, columns])
+        self.bias = parameter_copy(linear.bias) if linear.bias is not None else None
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
@@ -211,7 +211,7 @@ def plan_style(layer: str) -> str | None:
     return None
 
 
-def _parallel_layer(linear: nn.Linear, style: str, group, copy_input: bool,
+def parallel_layer(linear: nn.Linear, style: str, group, copy_input: bool,
                     sequence_parallel: bool) -> nn.Module:
     if style == "column":
         return ColumnParallelLinear(linear, group, copy_input=copy_input)
@@ -223,12 +223,12 @@ def parallelize_feed_forward(feed_forward: nn.Module, group=None) -> nn.Module:
     column-parallel (it applies f) and `down` row-parallel (it applies g): the paper's MLP."""
     feed_forward = copy.deepcopy(feed_forward)
     for name in ("up", "down"):
-        setattr(feed_forward, name, _parallel_layer(getattr(feed_forward, name),
+        setattr(feed_forward, name, parallel_layer(getattr(feed_forward, name),
                                                     plan_style(name), group, True, False))
     return feed_forward
 
 
-def _sum_gradient_over_ranks(param: nn.Parameter, group) -> None:
+def sum_gradient_over_ranks(param: nn.Parameter, group) -> None:
     """In backward, replace `param`'s gradient by its sum over the group's ranks (before it is
     accumulated into .grad, so gradient accumulation stays right)."""
     def summed(grad):
@@ -255,7 +255,7 @@ def parallelize_block(block: nn.Module, group=None, sequence_parallel: bool = Fa
     for name, style in BLOCK_PLAN.items():  # each region's f comes once, from the hook below
         region, _, layer = name.rpartition(".")
         parent = block.get_submodule(region)
-        setattr(parent, layer, _parallel_layer(getattr(parent, layer), style, group,
+        setattr(parent, layer, parallel_layer(getattr(parent, layer), style, group,
                                                copy_input=False,
                                                sequence_parallel=sequence_parallel))
     enter = gather_sequence if sequence_parallel else f
@@ -265,7 +265,7 @@ def parallelize_block(block: nn.Module, group=None, sequence_parallel: bool = Fa
         for param in (*block.norm1.parameters(), *block.norm2.parameters(),
                       attention.out.bias, feed_forward.down.bias):
             if param is not None:
-                _sum_gradient_over_ranks(param, group)
+                sum_gradient_over_ranks(param, group)
     return block
 
 

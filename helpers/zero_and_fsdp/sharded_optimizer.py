@@ -61,16 +61,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             pieces = []
             for param in param_group["params"]:
                 if param.requires_grad:
-                    self.pieces[param] = self._piece_in_place(param, rank, world_size)
+                    self.pieces[param] = self.piece_in_place(param, rank, world_size)
                     pieces.append(self.pieces[param])
-            inner_groups.append({**self._hyperparameters(param_group), "params": pieces})
+            inner_groups.append({**self.hyperparameters(param_group), "params": pieces})
         self.inner = optimizer_cls(inner_groups)
         if gradient_sharding:
             for param in self.pieces:
                 param.register_post_accumulate_grad_hook(self.shard_gradient)
 
     @staticmethod
-    def _piece_in_place(param: nn.Parameter, rank: int, world_size: int) -> nn.Parameter:
+    def piece_in_place(param: nn.Parameter, rank: int, world_size: int) -> nn.Parameter:
         """Move `param` into a zero-padded flat buffer of n equal pieces (param becomes a view of
         it) and return piece `rank` as a leaf that shares its memory: updating the piece updates
         the parameter, and the rank holds no second copy of its weights."""
@@ -80,7 +80,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return nn.Parameter(flat[rank * size:(rank + 1) * size])
 
     @staticmethod
-    def _hyperparameters(param_group: dict) -> dict:
+    def hyperparameters(param_group: dict) -> dict:
         return {key: value for key, value in param_group.items() if key != "params"}
 
     def shard_gradient(self, param):
@@ -100,15 +100,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not self.gradient_sharding and param.grad is not None:
                 piece.grad = scatter_mean(param.grad, self.group)
         if self.max_grad_norm is not None:
-            self._clip_pieces(self.max_grad_norm)
+            self.clip_pieces(self.max_grad_norm)
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update(self._hyperparameters(outer))
+            inner.update(self.hyperparameters(outer))
         self.inner.step()  # 2. update this rank's pieces
         for param, piece in self.pieces.items():  # 3. parameters
             param.copy_(gather(piece, param.shape, self.group))  # (its own piece is unchanged)
         return loss
 
-    def _clip_pieces(self, max_norm: float) -> None:
+    def clip_pieces(self, max_norm: float) -> None:
         """torch.nn.utils.clip_grad_norm_ over the whole model, from the pieces: the squares of
         every rank's pieces, summed over the ranks, are the squares of the whole gradient."""
         grads = [piece.grad for piece in self.pieces.values() if piece.grad is not None]

@@ -22,10 +22,6 @@ from helpers.zero_and_fsdp.fsdp import FSDP
 from helpers.zero_and_fsdp.memory import held_bytes
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
-# The course's optimizers (reference.make_optimizer), as a class and its settings, for the
-# ShardedOptimizer, which builds its own inner optimizer.
-OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"weight_decay": 0.01}),
-              "sgd": (torch.optim.SGD, {"momentum": 0.9})}
 ADAMW = {"lr": 1e-2, "weight_decay": 0.01}
 STAGES = (0, 1, 2, 3)
 TORCH_KINDS = ("ZeroRedundancyOptimizer", "fully_shard")
@@ -38,7 +34,7 @@ class Trainer:
     def __init__(self, model: nn.Module, stage: int, compute_dtype=None, optimizer="adamw",
                  lr=1e-2, units=None, max_grad_norm=None):
         self.stage, self.max_grad_norm = stage, max_grad_norm
-        optimizer_cls, settings = OPTIMIZERS[optimizer]
+        optimizer_cls, settings = reference.OPTIMIZERS[optimizer]
         if stage == 3:  # units: the name of the model's list of blocks, to shard one piece each
             self.module = FSDP(model, compute_dtype=compute_dtype,
                                units=getattr(model, units) if units else None)
