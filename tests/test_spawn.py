@@ -199,6 +199,18 @@ def test_the_lectures_collective_operations_run_from_a_script(tmp_path):
                 f"output = {shards}") in completed.stdout
 
 
+def test_two_scripts_on_the_lectures_fixed_port_take_turns(tmp_path):
+    """The lecture's setup() binds port 15623: two spawns at once (two notebooks, two test
+    workers) would collide; spawn() makes them take turns."""
+    script = tmp_path / "lecture.py"
+    script.write_text(LECTURE_SCRIPT)
+    both = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    for process in both:
+        _, stderr = process.communicate(timeout=240)
+        assert process.returncode == 0, stderr
+
+
 TWO_AT_ONCE_SCRIPT = textwrap.dedent(
     '''
     import sys

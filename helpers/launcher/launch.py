@@ -35,6 +35,7 @@ import time
 import warnings
 
 import cloudpickle
+import filelock
 import torch
 import torch.multiprocessing
 
@@ -89,6 +90,9 @@ def run(
                    threads_per_rank=threads_per_rank, show_output=show_output, env=env)
 
 
+SPAWN_LOCK = os.path.join(tempfile.gettempdir(), "helpers-spawn.lock")
+
+
 def spawn(
     fn,
     args: tuple = (),
@@ -116,9 +120,13 @@ def spawn(
     if not join:
         raise ValueError("helpers.spawn always waits for the processes (join=True): it brings "
                          "their output and return values back, and leaves none running")
-    return _launch(fn, nprocs, args, None, timeout, None, init_group=False, pass_world_size=False,
-                   start_method=start_method, threads_per_rank=None, show_output=show_output,
-                   env=env)
+    # Such code usually binds a port of its own choosing (the CS336 lecture's setup() binds 15623):
+    # two launches at once, from two notebooks or two test workers, would collide on it. So
+    # spawn()'s launches take turns on this machine.
+    with filelock.FileLock(SPAWN_LOCK):
+        return _launch(fn, nprocs, args, None, timeout, None, init_group=False,
+                       pass_world_size=False, start_method=start_method, threads_per_rank=None,
+                       show_output=show_output, env=env)
 
 
 def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_world_size,
