@@ -164,7 +164,10 @@ def _check_ranks(exercise, function, world_size, args, log_dir):
         return [f"{on}: {broken}"]
     if isinstance(failure, WorkerTimeout):
         return [f"{on} your function did not finish within {exercise.timeout:g} s "
-                "(a deadlock?). Where each rank was:", *str(failure).splitlines()[1:]]
+                "(a deadlock?). Where each rank was:", *str(failure).splitlines()[1:],
+                "Each rank's last communication call, the one it waits in if it is blocked:",
+                *(f"  rank {rank}: {_describe(calls[-1])}"
+                  for rank, calls in sorted(logs.items()) if calls)]
     if isinstance(failure, WorkerError):
         lines = [f"{on}:", *str(failure).splitlines()]
         if is_consequence(failure.message):
@@ -177,6 +180,21 @@ def _check_ranks(exercise, function, world_size, args, log_dir):
         if problem:
             return [f"{on}, rank {rank}: {problem}"]
     return None
+
+
+def _describe(call) -> str:
+    """A logged call as code: dist.recv(src=0), dist.all_reduce(group=[0, 1])."""
+    if call.name in ("send", "isend"):
+        return f"dist.{call.name}(dst={call.detail})"
+    if call.name in ("recv", "irecv"):
+        return f"dist.{call.name}(src={call.detail})"
+    if call.name == "batch_isend_irecv":
+        ops = ", ".join(f"{op} {'to' if op == 'isend' else 'from'} {peer}"
+                        for op, peer in call.detail)
+        return f"dist.batch_isend_irecv([{ops}])"
+    if call.name == "new_group":
+        return f"dist.new_group({call.detail['ranks']})"
+    return f"dist.{call.name}({'' if call.detail is None else f'group of ranks {call.detail}'})"
 
 
 def _not_started(exercise):
@@ -246,6 +264,21 @@ def _compare_tensors(got, expected) -> str | None:
     wrong = ~torch.isclose(got.to(expected.dtype), expected, rtol=1e-5, atol=1e-5)
     if not wrong.any():
         return None
+    return _differences(got, expected, wrong) + _scale_hint(got, expected)
+
+
+def _scale_hint(got, expected) -> str:
+    """Two mistakes often differ only by a factor (a sum for a mean, a missing 1/m): name it."""
+    got, expected = got.double(), expected.double()
+    scale = (got * expected).sum() / (expected * expected).sum() if expected.any() else None
+    if scale is None or not torch.isfinite(scale) or abs(scale) < 1e-6:
+        return ""
+    if torch.allclose(got, scale * expected, rtol=1e-4, atol=1e-6):
+        return f". Your result is {scale.item():.4g} times the expected one"
+    return ""
+
+
+def _differences(got, expected, wrong) -> str:
     if expected.numel() <= 8:
         return f"expected {expected}, got {got}"
     flat = wrong.flatten().nonzero().flatten().tolist()

@@ -3,6 +3,7 @@ exercise, and knows every exercise by name. Each lesson's test file shows that i
 typical mistakes (tests/checker.py)."""
 
 import pytest
+import torch
 from checker import not_started
 
 from helpers import exercises
@@ -35,3 +36,11 @@ def test_every_lesson_has_exercises_and_each_knows_its_lesson():
 def test_unknown_exercise_names_the_known_ones():
     with pytest.raises(KeyError, match="there are: even_odd_sum, column_sum, grid_sums, broadcast"):
         exercises.check("even_odd", not_started)
+
+
+def test_a_result_off_by_a_factor_is_named():
+    """A sum for a mean, a missing 1/m: the message says by how much, as well as where."""
+    message = exercises._compare(torch.tensor([2.0, 4.0, 6.0]), torch.tensor([1.0, 2.0, 3.0]))
+    assert message.endswith("Your result is 2 times the expected one")
+    unrelated = exercises._compare(torch.tensor([2.0, 1.0, 6.0]), torch.tensor([1.0, 2.0, 3.0]))
+    assert "times the expected" not in unrelated

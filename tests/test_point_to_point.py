@@ -164,7 +164,9 @@ def chain_broadcast(rank, world_size, tensor):  # one send per rank, but n - 1 r
     ("broadcast_from_p2p", broadcast_with_a_collective,
      "rank 0 broke a rule: the task says: use only send and recv. Your code called "
      "dist.broadcast()."),
-    ("ring_shift", blocking_send_first, "blocked in torch.distributed.send()"),
+    ("ring_shift", blocking_send_first,
+     "blocked in torch.distributed.send(), called from blocking_send_first"),
+    ("ring_shift", blocking_send_first, "  rank 0: dist.send(dst=1)"),
     ("ring_shift", shift_the_wrong_way,
      "On 3 ranks, rank 0: expected tensor([2., 2., 2.]), got tensor([1., 1., 1.])"),
     ("tree_broadcast", linear_broadcast,

@@ -43,7 +43,8 @@ EXERCISES = {
         rules=(Only("send", "recv", text="use only send and recv"),)),
     "ring_shift": Exercise(
         "you get `tensor` = full((3,), rank); with point-to-point calls, send it to rank + 1 and "
-        "receive from rank - 1 (wrapping around), without deadlock; return what you received",
+        "receive from rank - 1 (wrapping around), without deadlock; return what you received "
+        "(a tensor you isend must stay unchanged until its wait returns)",
         [(2, ()), (3, ()), (4, ())],
         lambda rank, n: torch.full((3,), float((rank - 1) % n)),
         inputs=lambda rank, n: (torch.full((3,), float(rank)),),
