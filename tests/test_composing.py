@@ -125,20 +125,49 @@ def test_strategy_counts_parameters_as_the_layers_hold_them():
 
 def test_strategy_projects_the_formulas_of_lessons_07_to_09():
     model = strategy.MODELS["Llama 3 70B"]
-    psi = model.parameters() / (2 * 8)  # one tp x pp shard
+    d, vocab = 8192, 128256
+    # the first of 8 stages: 10 of the 80 layers and the token embedding, cut over tp 2
+    per_layer = (model.parameters() - 2 * vocab * d - d) / 80
+    psi = (10 * per_layer + vocab * d) / 2
     row = strategy.project(model, strategy.Layout(dp=4, tp=2, pp=8, zero=1), seq_len=4096,
                            micro_batch=1, global_batch=1024)
-    assert row["weights"] == 2 * psi and row["gradients"] == 2 * psi
-    assert row["optimizer"] == 12 * psi / 4
-    sbh = 4096 * 1 * 8192
-    assert row["activations"] == pytest.approx(34 * sbh / 2 * (80 / 8) * 8)  # 8 in flight
+    assert row["weights"] == pytest.approx(2 * psi) and row["gradients"] == pytest.approx(2 * psi)
+    assert row["optimizer"] == pytest.approx(12 * psi / 4)
+    sbh = 4096 * 1 * d
+    assert row["activations"] == pytest.approx(34 * sbh / 2 * 10 * 8)  # 8 micro-batches in flight
     micro_batches = 1024 / 4
-    assert row["data parallel"] == pytest.approx(2 * 3 / 4 * psi * 2)
+    assert row["data parallel"] == pytest.approx(2 * 3 / 4 * psi * 2)  # once per step
     assert row["tensor parallel"] == pytest.approx(4 * 2 * (1 / 2) * sbh * 2 * 10 * micro_batches)
-    assert row["pipeline"] == pytest.approx(2 * sbh * 2 * micro_batches)
-    assert row["fits"] == (row["memory"] <= 80e9)
+    # a middle stage sends each micro-batch's activation on and its gradient back: s/t tokens
+    assert row["pipeline"] == pytest.approx(2 * sbh / 2 * 2 * micro_batches)
+    assert row["fits"] == (row["memory"] <= 80 * 2**30)
+    two_stages = strategy.project(model, strategy.Layout(dp=16, tp=2, pp=2, zero=1))
+    assert two_stages["pipeline"] == pytest.approx(sbh / 2 * 2 * 1024 / 16)  # one direction
+    full = strategy.project(model, strategy.Layout(dp=4, tp=2, pp=8, zero=1),
+                            recomputation="full")
+    assert full["activations"] == pytest.approx(2 * sbh * 10 * 8 + 34 * sbh / 2)
+
+
+def test_strategy_charges_sharded_gradients_and_weights_every_micro_batch():
+    model = strategy.MODELS["Llama 3 8B"]
+    psi, m = model.parameters(), 1024 / 8  # one stage, no tp; 128 micro-batches per step
+    ring = 7 / 8 * psi * 2  # one ring pass over the 2-byte gradients (or weights)
+    sent = {zero: strategy.project(model, strategy.Layout(dp=8, tp=1, pp=1, zero=zero))
+            ["data parallel"] for zero in (0, 1, 2, 3)}
+    assert sent[0] == pytest.approx(2 * ring) and sent[1] == pytest.approx(2 * ring)
+    assert sent[2] == pytest.approx(m * ring + ring)  # reduce-scatter per micro-batch, gather
+    assert sent[3] == pytest.approx(3 * m * ring)  # gather twice and reduce-scatter, each one
     for layout in strategy.layouts(model, 64):
         assert layout.gpus == 64 and model.layers % layout.pp == 0 and layout.tp <= 8
+        assert layout.zero <= 1 or layout.pp == 1  # no ZeRO-2/3 under pipeline stages
+
+
+def test_strategy_says_what_is_short_when_nothing_fits():
+    model = strategy.MODELS["Llama 3 70B"]
+    text = strategy.describe(model, 8)
+    least_states = 16 * model.parameters() / 8  # everything sharded over all 8 GPUs
+    assert f"at least {least_states / 2**30:.0f} GiB" in text
+    assert "recomputation nor a smaller micro-batch can help" in text
 
 
 def test_strategy_plot_marks_what_does_not_fit():

@@ -153,7 +153,8 @@ def test_stepper_and_topology_widgets_build():
 
     traces = run(workers.ring_trace_worker, 3, show_output=False).results
     stepper = widgets.ring_stepper(traces)
-    assert stepper.children[0].max == 4
+    # the slider's labels are the steps the panel's title shows: start, then 2(n - 1) steps
+    assert [label for label, _ in stepper.children[0].options] == ["start", "0", "1", "2", "3"]
     explorer = widgets.topology_explorer(16, 10.0, 100.0)
     descriptions = [child.description for child in explorer.children[:3]]
     assert descriptions == ["devices", "MB each", "GB/s each"]

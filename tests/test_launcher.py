@@ -1,9 +1,12 @@
 """helpers.run: results, output, errors, timeouts, clean-up. Every expected value is computed
 here."""
 
+import importlib
 import multiprocessing.resource_tracker
 import os
+import pathlib
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -327,6 +330,21 @@ def test_torchrun_runs_the_same_worker(tmp_path):
     lines = sorted(line for line in completed.stdout.splitlines() if line.startswith("[rank"))
     assert lines[0].startswith("[rank 0] device=cpu result=")
     assert "'group_sum': 0" in lines[0] and "'group_sum': 1" in lines[1]
+
+
+def test_every_documented_torchrun_target_exists():
+    """The `-m helpers.launcher.torchrun module:function` lines of the docstring, README and
+    lesson 01 name a worker that imports."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    texts = [(root / path).read_text() for path in (
+        "helpers/launcher/torchrun.py", "README.md", "notebooks/01_processes_and_groups.ipynb")]
+    targets = {target for text in texts
+               for target in re.findall(r"-m helpers\.launcher\.torchrun (helpers[\w.]*:\w+)",
+                                        text)}
+    assert targets  # the pattern still finds them
+    for target in targets:
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
 
 
 def test_two_torchrun_nodes_meet_through_c10d_rendezvous(tmp_path):

@@ -70,29 +70,30 @@ def plot_placements(found: dict, places: list, title: str):
     return fig
 
 
-def plot_projection(model, gpus: int, chosen: list):
+def plot_projection(model, gpus: int, chosen: list, recomputation: str = "selective"):
     """Projected memory per GPU of `chosen` layouts (helpers.composing.strategy), by part, against
     the GPU's memory; each bar labelled with the link seconds its communication would take."""
     from helpers.composing.strategy import GPU_MEMORY, project
 
     parts = ("weights", "gradients", "optimizer", "activations")
-    rows = [project(model, layout) for layout in chosen]
+    rows = [project(model, layout, recomputation=recomputation) for layout in chosen]
+    gib = 2**30
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(chosen) + 1.6))
     for index, row in enumerate(rows):
         left = 0.0
         for part_index, part in enumerate(parts):
-            ax.barh(index, row[part] / 1e9, left=left, color=color(part_index),
+            ax.barh(index, row[part] / gib, left=left, color=color(part_index),
                     label=part if index == 0 else None)
-            left += row[part] / 1e9
-        ax.text(max(left, GPU_MEMORY / 1e9) + 2, index, f"{row['seconds']:.2f} s on links"
+            left += row[part] / gib
+        ax.text(max(left, GPU_MEMORY / gib) + 2, index, f"{row['seconds']:.2f} s on links"
                 if row["fits"]
                 else "does not fit", va="center", fontsize=8)
-    ax.axvline(GPU_MEMORY / 1e9, color=COLORS[3], linestyle="--")
+    ax.axvline(GPU_MEMORY / gib, color=COLORS[3], linestyle="--")
     ax.set_yticks(range(len(chosen)), [str(layout) for layout in chosen], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("GB per GPU (projection); dashed: an H100 SXM's 80 GB")
-    ax.set_title(f"{model.name} on {gpus} GPUs: memory per GPU, and the time its bytes "
-                 "take on the links", fontsize=10)
+    ax.set_xlabel("GiB per GPU (projection); dashed: an H100 SXM's 80 GiB")
+    ax.set_title(f"{model.name} on {gpus} GPUs, {recomputation} recomputation: memory per "
+                 "GPU, and the time its bytes take on the links", fontsize=10)
     ax.legend(fontsize=8, frameon=False, loc="lower right")
     fig.tight_layout()
     return fig

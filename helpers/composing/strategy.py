@@ -2,31 +2,51 @@
 projection from the formulas lessons 06-10 verified on small models (lesson 10).
 
 Nothing here is measured: it is arithmetic on published model shapes and the course's formulas,
-and every output is a projection. Per GPU, for a layout dp x tp x pp (and a ZeRO stage over dp):
+and every output is a projection. Per GPU, for a layout dp x tp x pp (and a ZeRO stage over dp),
+on the first pipeline stage, which holds the embedding and keeps the most micro-batches:
 
     model states   lesson 07's bytes_per_rank (Rajbhandari et al. 2020, mixed precision: 2 + 2 + 12
-                   bytes per parameter) for the Psi / (tp pp) parameters of one tensor and pipeline
-                   shard, sharded over dp from the ZeRO stage on
-    activations    Korthikanti et al. 2022, Table 2, tensor + sequence parallelism with
-                   selective recomputation: 34 s b h / t bytes per layer per micro-batch, for
-                   the L / pp layers of a stage, times the micro-batches in flight on the
-                   first stage under 1F1B (lesson 09: pp - r on rank r, so pp)
-    data parallel  per step, a ring all-reduce of the 2-byte gradients, 2 (dp - 1)/dp Psi' 2 bytes
-                   (ZeRO 1 and 2 move the same; ZeRO 3 adds an all-gather of the weights in
-                   backward, 3 (dp - 1)/dp Psi' 2; ZeRO paper, section 7)
+                   bytes per parameter) for the stage's parameters: 1/pp of the layers and the
+                   token embedding (Korthikanti et al. 2022, section 4.2.3: the first stage also
+                   holds it), each cut over tp (Megatron-LM's vocabulary-parallel embedding),
+                   sharded over dp from the ZeRO stage on
+    activations    Korthikanti et al. 2022, Table 2, per layer and micro-batch: with tensor and
+                   sequence parallelism and selective recomputation 34 s b h / t bytes; with full
+                   recomputation 2 s b h (the layer's input only) and, while one layer is
+                   recomputed in backward, its 34 s b h / t once. For the L / pp layers of the
+                   stage, times the micro-batches in flight on the first stage under 1F1B
+                   (lesson 09: pp - r on rank r, so pp)
+    data parallel  the 2-byte gradients, on a ring: ZeRO 0 and 1 accumulate whole gradients over
+                   the m micro-batches of a step and send them once (an all-reduce, or a
+                   reduce-scatter and an all-gather of the updated weights: 2 (dp - 1)/dp Psi' 2);
+                   ZeRO 2 keeps only its gradient shard, so it reduce-scatters after every
+                   micro-batch's backward (m (dp - 1)/dp Psi' 2, as lesson 07's stage-2 hook and
+                   DeepSpeed's stage 2 do) and all-gathers the weights once; ZeRO 3 also
+                   all-gathers the weights in every micro-batch's forward and backward
+                   (3 m (dp - 1)/dp Psi' 2). ZeRO 2 and 3 only without pipeline stages:
+                   DeepSpeed refuses them with its pipeline ("ZeRO-2 and ZeRO-3 are incompatible
+                   with pipeline parallelism", microsoft/DeepSpeed@38327e0,
+                   deepspeed/runtime/pipe/engine.py), and torch.distributed.pipelining keeps an
+                   FSDP stage's weights and gradients whole between micro-batches
+                   (torch/distributed/pipelining/stage.py)
     tensor         lesson 08's layer_bytes_sent (four all-reduces of s b h per layer) for each layer
                    of the stage and each micro-batch
-    pipeline       each micro-batch's activation forward and its gradient back, s b h 2 bytes each,
-                   on a stage with neighbours on both sides
+    pipeline       each micro-batch's activation forward and its gradient back, this rank's s / t
+                   tokens of it (with sequence parallelism, as Megatron-LM sends them), 2 bytes
+                   each; a stage with neighbours on both sides sends both, an end stage one (the
+                   busiest GPU is counted)
 The model shapes are torchtitan's (pytorch/torchtitan, torchtitan/models/llama3/__init__.py,
 llama3_configs "8B" and "70B"; the vocabulary from Llama3Model.Config in model.py), with their
 SwiGLU hidden size from compute_ffn_hidden_dim: int(1.3 int(2 4d / 3)) rounded up to a multiple of
-1024 (8B) or 4096 (70B). The memory per GPU is the H100 SXM's 80 GB (S. Bekman, "Machine Learning
-Engineering", stas00/ml-engineering, compute/accelerator/README.md, memory table).
+1024 (8B) or 4096 (70B). The memory per GPU is the H100 SXM's 80 GiB (S. Bekman, "Machine
+Learning Engineering", stas00/ml-engineering@744d01e, compute/accelerator/README.md: "the 80GiB
+H100-SXM").
 `seconds` divides each kind's bytes by a published link (lesson 04's table): tensor parallelism
 inside a machine over NVLink 4, the rest between machines over one InfiniBand NDR400 port per GPU
 (all of it over NVLink when the layout fits in one machine of 8 GPUs); bandwidth only, nothing
-overlapped. It ranks the layouts; it is not a step time.
+overlapped. It ranks the layouts; it is not a step time. Gradients are reduced in 2 bytes
+(Megatron-LM's default); reducing them in float32, as many recipes do, doubles the data-parallel
+bytes.
 The activation count is Korthikanti et al.'s for a GPT block (a 4h GeLU MLP, LayerNorm, dropout,
 multi-head attention); Llama's SwiGLU MLP, grouped-query attention and RMSNorm differ from it, so
 for Llama it is an approximation.
@@ -43,7 +63,8 @@ from helpers.published import PUBLISHED_LINKS
 from helpers.tensor_parallelism.cost import layer_bytes_sent
 from helpers.zero_and_fsdp.memory import bytes_per_rank
 
-GPU_MEMORY = 80e9  # H100 SXM, bytes (ml-engineering, compute/accelerator/README.md)
+GPU_MEMORY = 80 * 2**30  # H100 SXM, bytes (ml-engineering, compute/accelerator/README.md)
+RECOMPUTATION = ("selective", "full")
 INSIDE, BETWEEN = "NVLink 4 (H100, H200)", "InfiniBand NDR400, one port"  # lesson 04's labels
 GPUS_PER_MACHINE = 8
 
@@ -72,10 +93,21 @@ class Model:
         """Token embedding and output head (untied), and per layer: q and o (d x d), k and v
         (d x kv_heads head_dim), SwiGLU's three matrices (d x ffn), two RMSNorm weights; a final
         RMSNorm."""
+        return 2 * self.embedding() + self.layers * self.layer() + self.dim
+
+    def layer(self) -> int:
         kv = self.kv_heads * self.dim // self.heads
-        layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn \
-            + 2 * self.dim
-        return 2 * self.vocab * self.dim + self.layers * layer + self.dim
+        return 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn + 2 * self.dim
+
+    def embedding(self) -> int:
+        return self.vocab * self.dim
+
+    def first_stage(self, tp: int, pp: int) -> float:
+        """The parameters one GPU of the first pipeline stage holds: its layers and the token
+        embedding (with one stage, every parameter), cut over tp."""
+        if pp == 1:
+            return self.parameters() / tp
+        return (self.layers / pp * self.layer() + self.embedding()) / tp
 
 
 MODELS = {
@@ -101,21 +133,30 @@ class Layout:
 
 
 def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int = 1,
-            global_batch: int = 1024) -> dict:
+            global_batch: int = 1024, recomputation: str = "selective") -> dict:
     """Per GPU, in bytes: {"weights", "gradients", "optimizer", "activations", "memory", "fits",
     "data parallel", "tensor parallel", "pipeline", "sent", "seconds"}; `global_batch` sequences
-    per step, cut into micro-batches of `micro_batch` on each data-parallel rank. A projection."""
-    shard = model.parameters() / (layout.tp * layout.pp)
+    per step, cut into micro-batches of `micro_batch` on each data-parallel rank. A projection
+    (see the module docstring)."""
+    if recomputation not in RECOMPUTATION:
+        raise ValueError(f"recomputation is one of {RECOMPUTATION}, not {recomputation!r}")
+    shard = model.first_stage(layout.tp, layout.pp)
     states = bytes_per_rank(shard, layout.dp, layout.zero, precision="mixed")
     layers = model.layers / layout.pp
     micro_batches = global_batch / (layout.dp * micro_batch)
     in_flight = min(layout.pp, micro_batches)
     sbh = seq_len * micro_batch * model.dim
-    activations = 34 * sbh / layout.tp * layers * in_flight
-    ring = (layout.dp - 1) / layout.dp
-    data = (3 if layout.zero == 3 else 2) * ring * shard * 2
+    selective = 34 * sbh / layout.tp  # one layer, one micro-batch
+    if recomputation == "selective":
+        activations = selective * layers * in_flight
+    else:
+        activations = 2 * sbh * layers * in_flight + selective
+    gradients = (layout.dp - 1) / layout.dp * shard * 2  # one ring pass over 2-byte gradients
+    data = {0: 2 * gradients, 1: 2 * gradients, 2: (micro_batches + 1) * gradients,
+            3: 3 * micro_batches * gradients}[layout.zero]
     tensor = layer_bytes_sent(seq_len, micro_batch, model.dim, layout.tp) * layers * micro_batches
-    pipeline = 2 * sbh * 2 * micro_batches if layout.pp > 1 else 0.0
+    messages = 0 if layout.pp == 1 else (1 if layout.pp == 2 else 2)
+    pipeline = messages * sbh / layout.tp * 2 * micro_batches
     memory = states["total"] + activations
     return {"weights": states["weights"], "gradients": states["gradients"],
             "optimizer": states["optimizer"], "activations": activations, "memory": memory,
@@ -127,7 +168,8 @@ def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int 
 
 def layouts(model: Model, gpus: int, max_tp: int = 8) -> list:
     """Every dp x tp x pp = gpus with tp a power of two up to `max_tp` (one machine's GPUs) that
-    divides the heads, pp dividing the layers, and each ZeRO stage (only 0 without dp)."""
+    divides the heads, pp dividing the layers, and each ZeRO stage an implementation offers:
+    only 0 without dp, and 2 and 3 only without pipeline stages (see the module docstring)."""
     found = []
     tp = 1
     while tp <= min(max_tp, gpus):
@@ -135,7 +177,8 @@ def layouts(model: Model, gpus: int, max_tp: int = 8) -> list:
             if (gpus // tp) % pp or model.layers % pp or model.heads % tp:
                 continue
             dp = gpus // (tp * pp)
-            for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+            stages = (0,) if dp == 1 else (0, 1) if pp > 1 else (0, 1, 2, 3)
+            for zero in stages:
                 found.append(Layout(dp, tp, pp, zero))
         tp *= 2
     return found
@@ -149,15 +192,31 @@ def table(model: Model, gpus: int, **kwargs) -> list:
 
 
 def describe(model: Model, gpus: int, top: int = 5, **kwargs) -> str:
-    """The `top` fitting layouts as text: memory, bytes sent and link seconds per GPU per step."""
+    """The `top` fitting layouts as text: memory, bytes sent and link seconds per GPU per step;
+    when none fits, what is short, computed from the layout that needs the least memory."""
     fitting, every = table(model, gpus, **kwargs), layouts(model, gpus)
+    recomputation = kwargs.get("recomputation", "selective")
     lines = [f"{model.name} ({model.parameters() / 1e9:.2f} B parameters) on {gpus} GPUs of "
-             f"{GPU_MEMORY / 1e9:.0f} GB: {len(fitting)} of {len(every)} layouts fit "
-             "(a projection, not a measurement)"]
+             f"{GPU_MEMORY / 2**30:.0f} GiB, {recomputation} recomputation: {len(fitting)} of "
+             f"{len(every)} layouts fit (a projection, not a measurement)"]
     for layout, row in fitting[:top]:
-        lines.append(f"  {str(layout):34s} {row['memory'] / 1e9:5.1f} GB; sends dp "
-                     f"{row['data parallel'] / 1e9:5.1f} + tp {row['tensor parallel'] / 1e9:6.1f}"
+        lines.append(f"  {str(layout):34s} {row['memory'] / 2**30:5.1f} GiB; sends dp "
+                     f"{row['data parallel'] / 1e9:6.1f} + tp {row['tensor parallel'] / 1e9:6.1f}"
                      f" + pp {row['pipeline'] / 1e9:5.1f} GB: {row['seconds']:5.2f} s on links")
     if not fitting:
-        lines.append("  none: more GPUs, a smaller micro-batch, or full recomputation")
+        lines.append("  none: " + shortfall(model, gpus, **kwargs))
     return "\n".join(lines)
+
+
+def shortfall(model: Model, gpus: int, **kwargs) -> str:
+    """Why no layout fits: the model states alone, or the activations on top of them."""
+    rows = [project(model, layout, **kwargs) for layout in layouts(model, gpus)]
+    states = min(row["memory"] - row["activations"] for row in rows)
+    if states > GPU_MEMORY:
+        return (f"the model states alone need at least {states / 2**30:.0f} GiB per GPU in every "
+                "layout: more GPUs, or fewer bytes of state per parameter (offloading them to "
+                "CPU memory); neither recomputation nor a smaller micro-batch can help")
+    least = min(rows, key=lambda row: row["memory"])
+    return (f"the least memory, {least['memory'] / 2**30:.0f} GiB, is "
+            f"{least['activations'] / 2**30:.0f} GiB of activations on the states: a smaller "
+            "micro-batch, or full recomputation")

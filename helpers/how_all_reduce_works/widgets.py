@@ -7,14 +7,17 @@ from helpers.how_all_reduce_works import plots
 
 
 def ring_stepper(traces: list) -> widgets.interactive:
-    """A slider over the recorded steps of the ring all-reduce (`workers.ring_trace_worker`)."""
-    def show(step):
+    """A slider over the recorded steps of the ring all-reduce (`workers.ring_trace_worker`),
+    labelled as the panel's title numbers them: "start", then step 0, 1, ..."""
+    def show(index):
         fig, ax = plt.subplots(figsize=(4.5, 2.6))
-        plots.draw_ring_step(ax, traces, step)
+        plots.draw_ring_step(ax, traces, index)
         plt.show()
 
-    return widgets.interactive(show, step=widgets.IntSlider(
-        value=0, min=0, max=len(traces[0]) - 1, description="step"))
+    labels = [("start" if step < 0 else str(step), index)
+              for index, (step, _, _) in enumerate(traces[0])]
+    return widgets.interactive(show, index=widgets.SelectionSlider(options=labels,
+                                                                   description="step"))
 
 
 def topology_explorer(n: int = 64, megabytes: float = 100.0, device_gb_s: float = 50.0):

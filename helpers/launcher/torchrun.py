@@ -3,7 +3,7 @@
 One machine, 4 processes:
 
     torchrun --standalone --nproc-per-node 4 \
-        -m helpers.launcher.torchrun helpers.processes_and_groups:halves_worker
+        -m helpers.launcher.torchrun helpers.processes_and_groups.workers:halves_worker
 
 Two machines, 8 processes each: run the same line on both. The c10d rendezvous hands out the node
 ranks (with the default static rendezvous both machines would take node rank 0):

@@ -14,7 +14,7 @@ A layer's full weight exists only while the layer computes:
 
 For a layer gathered in its forward and its backward, each rank sends (n-1)/n of its parameters
 three times per step (two all-gathers, one reduce-scatter): 3(n-1)/n, 1.5 times data
-parallelism's 2(n-1)/n (the ZeRO paper, section 7.2.2). An Embedding, gathered once, costs less;
+parallelism's 2(n-1)/n (the ZeRO paper, section VII-B-2). An Embedding, gathered once, costs less;
 a tied weight, reduce-scattered once per use, costs more.
 
 Other parameters (LayerNorm's) stay whole on every rank, and finish_gradient_synchronization()
