@@ -19,11 +19,12 @@ from helpers.instrument import COLLECTIVES, POINT_TO_POINT, Observer
 
 
 class Call(NamedTuple):
-    """One logged call, as read back from a rank's log: an `instrument.Record`'s name, detail
-    and numel."""
+    """One logged call, as read back from a rank's log: an `instrument.Record`'s name, detail,
+    numel and the span it ran in (None outside any)."""
     name: str
     detail: object
     numel: int | None
+    span: str | None = None
 
 
 class RuleBroken(RuntimeError):
@@ -163,6 +164,22 @@ class OffTheWorld(Rule):
         return call in self.calls and detail is None
 
 
+class DuringSpan(Rule):
+    """Every call of `call` starts inside the span `span` (e.g. "backward")."""
+
+    def __init__(self, call: str, span: str, text: str):
+        super().__init__(text)
+        self.call, self.span = call, span
+
+    def broken_by(self, logs, world_size, args=(), finished=True):
+        for rank, calls in sorted(logs.items()):
+            outside = [call for call in calls if call.name == self.call and call.span != self.span]
+            if outside:
+                return (f"{self.text}: rank {rank} started {len(outside)} of its "
+                        f"{self.call} calls after {self.span} had returned.")
+        return None
+
+
 def log_path(log_dir: str, rank: int) -> str:
     return os.path.join(log_dir, f"rank{rank}.jsonl")
 
@@ -199,7 +216,7 @@ class CallRecorder(Observer):
         self.log.close()
 
     def before(self, record):
-        self.log.write(json.dumps([record.name, record.detail, record.numel]) + "\n")
+        self.log.write(json.dumps([record.name, record.detail, record.numel, record.span]) + "\n")
         self.log.flush()
         for rule in self.rules:
             if rule.forbids(record.name, record.detail):

@@ -7,9 +7,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-
 import pytest
 import torch
+import torch.distributed as dist
+from checker import expect_rejection
 from compare import labelled
 from torch import nn
 
@@ -176,3 +177,86 @@ def test_strategy_plot_marks_what_does_not_fit():
     fig = plots.plot_projection(model, 64, chosen)
     labels = [text.get_text() for text in fig.axes[0].texts]
     assert labels[0] == "does not fit" and labels[1].endswith("s on links")
+
+
+# --- the composing exercises: typical mistakes ---------------------------------------------------
+
+
+def groups_of_my_own_only(rank, world_size, sizes):  # skips the groups it is not in
+    grid = torch.arange(world_size).view(*sizes)
+    where = (grid == rank).nonzero()[0].tolist()
+    found = []
+    for axis in range(len(sizes)):
+        index = [slice(None) if a == axis else where[a] for a in range(len(sizes))]
+        found.append(dist.get_process_group_ranks(dist.new_group(grid[tuple(index)].tolist())))
+    return found
+
+
+def groups_with_the_first_dimension_fastest(rank, world_size, sizes):
+    grid = torch.arange(world_size).view(*reversed(sizes)).permute(
+        *reversed(range(len(sizes))))
+    members = []
+    for axis in range(len(sizes)):
+        lines = grid.movedim(axis, -1).reshape(-1, sizes[axis]).tolist()
+        mine = None
+        for line in lines:
+            group = dist.new_group(line)
+            if rank in line:
+                mine = dist.get_process_group_ranks(group)
+        members.append(mine)
+    return members
+
+
+def _dp_tp_pieces(rank, world_size, w1, w2, x, y, tp):
+    dp, (d, t) = world_size // tp, divmod(rank, tp)
+    groups = {}
+    for name, lines in (("tp", [[r * tp + j for j in range(tp)] for r in range(dp)]),
+                        ("dp", [[r * tp + j for r in range(dp)] for j in range(tp)])):
+        for line in lines:
+            group = dist.new_group(line)
+            if rank in line:
+                groups[name] = group
+    up = w1.chunk(tp)[t].clone().requires_grad_()
+    down = w2.chunk(tp, dim=1)[t].clone().requires_grad_()
+    return groups, up, down, x.chunk(dp)[d], y.chunk(dp)[d]
+
+
+def dp_tp_step_without_the_tp_sum(rank, world_size, w1, w2, x, y, tp):
+    groups, up, down, x, y = _dp_tp_pieces(rank, world_size, w1, w2, x, y, tp)
+    out = torch.nn.functional.gelu(x @ up.T) @ down.T  # a share of the output, taken as all of it
+    ((out - y).square().sum() / (y.numel() * (world_size // tp))).backward()
+    for grad in (up.grad, down.grad):
+        dist.all_reduce(grad, group=groups["dp"])
+    return up.grad, down.grad
+
+
+def dp_tp_step_with_local_means_summed(rank, world_size, w1, w2, x, y, tp):
+    groups, up, down, x, y = _dp_tp_pieces(rank, world_size, w1, w2, x, y, tp)
+    partial = torch.nn.functional.gelu(x @ up.T) @ down.T
+    out = partial.detach().clone()
+    dist.all_reduce(out, group=groups["tp"])
+    out = partial + (out - partial).detach()  # the sum forward, this share's gradient backward
+    (out - y).square().mean().backward()  # the slice's mean, then summed over dp: dp times
+    for grad in (up.grad, down.grad):
+        dist.all_reduce(grad, group=groups["dp"])
+    return up.grad, down.grad
+
+
+def dp_tp_step_over_the_world(rank, world_size, w1, w2, x, y, tp):
+    groups, up, down, x, y = _dp_tp_pieces(rank, world_size, w1, w2, x, y, tp)
+    partial = torch.nn.functional.gelu(x @ up.T) @ down.T
+    dist.all_reduce(partial.detach())  # over every rank: dp slices mixed in
+    return up.detach(), down.detach()
+
+
+@pytest.mark.parametrize("name, mistake, says", [
+    ("mesh_groups", groups_of_my_own_only, "every rank must create every group"),
+    ("mesh_groups", groups_with_the_first_dimension_fastest,
+     "On 8 ranks, rank 0: expected [[0, 4], [0, 2], [0, 1]], got [[0, 1], [0, 2], [0, 4]]"),
+    ("dp_tp_step", dp_tp_step_without_the_tp_sum, "the gradient of your W1 rows"),
+    ("dp_tp_step", dp_tp_step_with_local_means_summed, "Your result is 2 times the expected one"),
+    ("dp_tp_step", dp_tp_step_over_the_world,
+     "the task says: reduce only within your dp group or your tp group"),
+])
+def test_composing_checkers_reject_a_typical_mistake(name, mistake, says):
+    expect_rejection(name, mistake, says)

@@ -491,3 +491,27 @@ def test_the_step_time_comparison_times_all_four_strategies():
     assert medians[0] == medians[1]  # every rank reports the slowest rank's times
     assert set(medians[0]) == set(workers.STRATEGIES)
     assert all(seconds > 0 for seconds in medians[0].values())
+
+
+def average_after_backward(rank, world_size, model):  # the naive loop, in finish()
+    def finish():
+        for param in model.parameters():
+            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+    return finish
+
+
+def overlapped_sum(rank, world_size, model):
+    pending = []
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p: pending.append(dist.all_reduce(p.grad, async_op=True)))  # SUM, not AVG
+    return lambda: [work.wait() for work in pending]
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (average_after_backward, "every all_reduce starts while backward runs: rank 0 started 6 of "
+                             "its all_reduce calls after backward had returned"),
+    (overlapped_sum, "Your result is 2 times the expected one"),
+])
+def test_overlapped_average_checker_rejects_a_typical_mistake(mistake, says):
+    expect_rejection("overlapped_average", mistake, says)

@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 
 import pytest
 import torch
+import torch.distributed as dist
 from checker import expect_rejection
 from compare import labelled
 from torch import nn
@@ -287,3 +288,44 @@ def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, num
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)
+
+
+def by_order_with_blocking_sends(rank, world_size, weight, micro_batches, m, shape, order):
+    weight = weight.clone().requires_grad_()
+    kept = {}
+    for kind, i in order:
+        if kind == "F":
+            x = micro_batches[i] if rank == 0 else torch.empty(shape)
+            if rank > 0:
+                dist.recv(x, src=rank - 1)
+                x.requires_grad_()
+            out = torch.nn.functional.gelu(x @ weight)
+            if rank < world_size - 1:
+                dist.send(out.detach(), dst=rank + 1)  # waits for a receive that waits on it
+            kept[i] = (x, out)
+        else:
+            x, out = kept.pop(i)
+            if rank == world_size - 1:
+                (out.square().mean() / m).backward()
+            else:
+                grad = torch.empty(shape)
+                dist.recv(grad, src=rank + 1)
+                out.backward(grad)
+            if rank > 0:
+                dist.send(x.grad, dst=rank - 1)
+    return weight.grad
+
+
+def by_order_ignoring_the_order(rank, world_size, weight, micro_batches, m, shape, order):
+    from helpers.pipeline_parallelism import solutions
+    gpipe = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return solutions.pipeline_by_order(rank, world_size, weight, micro_batches, m, shape, gpipe)
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (by_order_with_blocking_sends, "did not finish within"),
+    (by_order_ignoring_the_order, "each activation once to rank + 1 and each gradient once to "
+                                  "rank - 1, in your order"),
+])
+def test_pipeline_by_order_checker_rejects_a_typical_mistake(mistake, says):
+    expect_rejection("pipeline_by_order", mistake, says)

@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 
 import pytest
 import torch
+import torch.distributed as dist
 from checker import expect_rejection
 from compare import labelled
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -333,3 +334,24 @@ def test_one_plan_cuts_the_block_for_the_hand_built_layers_the_slices_and_pytorc
 def layer_types_worker(rank, world_size):
     parallel = megatron.parallelize_block(reference.make_block(8, 2))
     return {name: type(parallel.get_submodule(name)).__name__ for name in megatron.BLOCK_PLAN}
+
+
+def embedding_by_gathering_the_table(rank, world_size, rows, vocab, ids):
+    table = rows.new_empty(vocab, rows.shape[1])
+    dist.all_gather_single(table, rows)
+    return table[ids]
+
+
+def embedding_without_the_mask(rank, world_size, rows, vocab, ids):
+    first = rank * rows.shape[0]
+    embedded = rows[(ids - first).clamp(0, rows.shape[0] - 1)]  # other ranks' ids land on an end
+    dist.all_reduce(embedded)
+    return embedded
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (embedding_by_gathering_the_table, "the task says: communicate with all_reduce only"),
+    (embedding_without_the_mask, "On 2 ranks, rank 0: elements"),
+])
+def test_vocab_parallel_embedding_checker_rejects_a_typical_mistake(mistake, says):
+    expect_rejection("vocab_parallel_embedding", mistake, says)

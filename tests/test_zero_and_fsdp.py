@@ -503,3 +503,23 @@ def test_stage_1_times_and_bytes_against_zero_redundancy_optimizer():
     torch_zero = held["ZeroRedundancyOptimizer"]
     assert torch_zero["weights"] == 4 * parameters
     assert 0 < torch_zero["optimizer"] < 8 * parameters
+
+
+def clip_each_rank_by_its_own_norm(rank, world_size, pieces, max_norm):
+    norm = torch.stack([piece.square().sum() for piece in pieces]).sum().sqrt()
+    return [piece * torch.clamp(max_norm / (norm + 1e-6), max=1.0) for piece in pieces]
+
+
+def clip_by_the_sum_of_the_ranks_norms(rank, world_size, pieces, max_norm):
+    norm = torch.stack([piece.square().sum() for piece in pieces]).sum().sqrt().reshape(1)
+    dist.all_reduce(norm)  # norms do not add: their squares do
+    return [piece * torch.clamp(max_norm / (norm + 1e-6), max=1.0) for piece in pieces]
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (clip_each_rank_by_its_own_norm, "one all_reduce of a single number: rank 0's all_reduce "
+                                     "calls held [] elements (0 calls)"),
+    (clip_by_the_sum_of_the_ranks_norms, "times the expected one"),
+])
+def test_clip_sharded_gradients_checker_rejects_a_typical_mistake(mistake, says):
+    expect_rejection("clip_sharded_gradients", mistake, says)

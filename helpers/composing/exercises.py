@@ -6,9 +6,73 @@ import torch.nn.functional as F
 from helpers.composing import ring_attention as ring
 from helpers.exercises import Exercise
 from helpers.reference import seeded_randn
-from helpers.rules import Only, Rule, SendsTo
+from helpers.rules import OffTheWorld, Only, Rule, SameGroups, SendsTo
 
 EXERCISES = {}
+
+# --- composing: groups from a grid, and one data x tensor parallel step -----------------------
+
+
+def _grid_members(rank, sizes) -> list:
+    """For each dimension of the grid `sizes` (last varying fastest), the ranks whose
+    coordinates differ from `rank`'s only along it, by arithmetic on the coordinates."""
+    strides = [1] * len(sizes)
+    for axis in range(len(sizes) - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * sizes[axis + 1]
+    mine = [rank // stride % size for stride, size in zip(strides, sizes)]
+    return [[rank + (value - mine[axis]) * strides[axis] for value in range(sizes[axis])]
+            for axis in range(len(sizes))]
+
+
+EXERCISES["mesh_groups"] = Exercise(
+    "the ranks form a grid of shape `sizes` (outermost dimension first, e.g. (2, 2, 2) for dp x "
+    "pp x tp), numbered so that the last coordinate varies fastest. Along each dimension, your "
+    "group is the ranks whose coordinates differ from yours only along it. Create every "
+    "rank's groups with dist.new_group, as it requires (every rank creates every group, in "
+    "the same order), and return a list with, for each dimension in order, the members of "
+    "your group along it, as dist.get_process_group_ranks gives them",
+    [(8, ((2, 2, 2),)), (6, ((3, 2),)), (6, ((1, 2, 3),))],
+    lambda rank, n, sizes: _grid_members(rank, sizes),
+    rules=(Only(text="no communication is needed: create the groups and read their members"),
+           SameGroups()))
+
+DP_TP_WIDTH, DP_TP_BATCH = 6, 12  # the MLP's width h (its hidden width is 4h) and the batch
+
+
+def _dp_tp_inputs(rank, world_size, seed, tp):
+    """Every rank gets the whole MLP and batch, in float64: W1 (4h x h), W2 (h x 4h), x, y."""
+    h = DP_TP_WIDTH
+    return (seeded_randn(seed, 4 * h, h).double() / h**0.5,
+            seeded_randn(seed + 1, h, 4 * h).double() / (4 * h) ** 0.5,
+            seeded_randn(seed + 2, DP_TP_BATCH, h).double(),
+            seeded_randn(seed + 3, DP_TP_BATCH, h).double(), tp)
+
+
+def _dp_tp_expected(rank, world_size, seed, tp):
+    """One process: the whole batch through the whole MLP; then this rank's slices."""
+    w1, w2, x, y, _ = _dp_tp_inputs(rank, world_size, seed, tp)
+    w1, w2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    (F.gelu(x @ w1.T) @ w2.T - y).square().mean().backward()
+    t = rank % tp
+    return w1.grad.chunk(tp)[t], w2.grad.chunk(tp, dim=1)[t]
+
+
+EXERCISES["dp_tp_step"] = Exercise(
+    "one training step's gradients with data x tensor parallelism, for the MLP out = GeLU(x "
+    "W1^T) W2^T (no biases) and the loss mean((out - y)**2) over the whole batch. The ranks form "
+    "a dp x tp grid, tp given, rank = d * tp + t. Your rank holds piece t of W1's rows and piece "
+    "t of W2's columns (each cut into tp equal pieces) and works on slice d of the batch (dp "
+    "equal slices of x and y, in order). You get the whole W1, W2, x, y (float64) and tp. "
+    "Return (the gradient of your W1 rows, the gradient of your W2 columns), equal to what one "
+    "process computes for those pieces on the whole batch. Communicate only with all_reduce, and "
+    "only within your dp group or your tp group (make them as dist.new_group requires)",
+    [(4, (1, 2)), (6, (2, 3)), (6, (3, 2))],
+    _dp_tp_expected,
+    inputs=_dp_tp_inputs,
+    names=("the gradient of your W1 rows", "the gradient of your W2 columns"),
+    rules=(Only("all_reduce", text="communicate only with all_reduce"),
+           OffTheWorld("all_reduce", text="reduce only within your dp group or your tp group"),
+           SameGroups()))
 
 # --- experts ------------------------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ def plot_projection(model, gpus: int, chosen: list, recomputation: str = "select
             ax.barh(index, row[part] / gib, left=left, color=color(part_index),
                     label=part if index == 0 else None)
             left += row[part] / gib
-        ax.text(max(left, GPU_MEMORY / gib) + 2, index, f"{row['seconds']:.2f} s on links"
+        ax.text(max(left, GPU_MEMORY / gib) + 4, index, f"{row['seconds']:.2f} s on links"
                 if row["fits"]
                 else "does not fit", va="center", fontsize=8)
     ax.axvline(GPU_MEMORY / gib, color=COLORS[3], linestyle="--")
@@ -94,7 +94,8 @@ def plot_projection(model, gpus: int, chosen: list, recomputation: str = "select
     ax.set_xlabel("GiB per GPU (projection); dashed: an H100 SXM's 80 GiB")
     ax.set_title(f"{model.name} on {gpus} GPUs, {recomputation} recomputation: memory per "
                  "GPU, and the time its bytes take on the links", fontsize=10)
-    ax.legend(fontsize=8, frameon=False, loc="lower right")
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.28),
+              ncol=len(parts))
     fig.tight_layout()
     return fig
 

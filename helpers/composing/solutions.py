@@ -2,6 +2,33 @@
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from helpers.composing.mesh import Grid, new_groups
+from helpers.tensor_parallelism.megatron import ReduceFromRegion
+
+# --- composing ----------------------------------------------------------------------------------
+
+
+def mesh_groups(rank, world_size, sizes):
+    grid = Grid(tuple(f"dim{axis}" for axis in range(len(sizes))), tuple(sizes))
+    groups = new_groups(grid, rank)  # every rank creates every group, in the same order
+    return [dist.get_process_group_ranks(groups[dim]) for dim in grid.dims]
+
+
+def dp_tp_step(rank, world_size, w1, w2, x, y, tp):
+    grid = Grid(("dp", "tp"), (world_size // tp, tp))
+    groups, place = new_groups(grid, rank), grid.coordinates(rank)
+    up = w1.chunk(tp)[place["tp"]].clone().requires_grad_()  # column-parallel: rows of W1
+    down = w2.chunk(tp, dim=1)[place["tp"]].clone().requires_grad_()  # row-parallel: columns
+    x, y = x.chunk(grid.sizes[0])[place["dp"]], y.chunk(grid.sizes[0])[place["dp"]]
+    partial = F.gelu(x @ up.T) @ down.T  # this rank's share of the output
+    out = ReduceFromRegion.apply(partial, groups["tp"])  # g: the tp ranks' shares summed
+    ((out - y).square().sum() / (y.numel() * grid.sizes[0])).backward()  # its part of the mean
+    for grad in (up.grad, down.grad):
+        dist.all_reduce(grad, group=groups["dp"])  # the batch's slices summed
+    return up.grad, down.grad
+
 
 # --- experts ------------------------------------------------------------------------------------
 

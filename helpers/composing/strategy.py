@@ -45,8 +45,9 @@ H100-SXM").
 inside a machine over NVLink 4, the rest between machines over one InfiniBand NDR400 port per GPU
 (all of it over NVLink when the layout fits in one machine of 8 GPUs); bandwidth only, nothing
 overlapped. It ranks the layouts; it is not a step time. Gradients are reduced in 2 bytes
-(Megatron-LM's default); reducing them in float32, as many recipes do, doubles the data-parallel
-bytes.
+(Megatron Core's DistributedDataParallelConfig default, grad_reduce_in_fp32=False); Megatron-LM's
+training script with --bf16 reduces them in float32 unless given --grad-reduce-in-bf16, which
+doubles the data-parallel bytes.
 The activation count is Korthikanti et al.'s for a GPT block (a 4h GeLU MLP, LayerNorm, dropout,
 multi-head attention); Llama's SwiGLU MLP, grouped-query attention and RMSNorm differ from it, so
 for Llama it is an approximation.

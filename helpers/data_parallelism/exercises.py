@@ -1,14 +1,16 @@
 """Lesson 06's exercises, checked by `helpers.exercises.check(name, your_function)`."""
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DistributedSampler
 
 from helpers import reference
+from helpers import rules as rules_module
 from helpers.data_parallelism.ddp import bucket_indices
 from helpers.exercises import Exercise
-from helpers.rules import CallSizes, Only
+from helpers.rules import CallRecorder, CallSizes, DuringSpan, Only
 
 _MODEL = reference.make_mlp(dim=8, num_layers=3, seed=4, bias=True)
 
@@ -85,3 +87,52 @@ EXERCISES = {
                CallSizes("all_reduce", lambda n, seed, bucket_bytes: _bucket_numels(bucket_bytes),
                          text="one all_reduce per bucket, packed from the last tensor"))),
 }
+
+
+@dataclass
+class BackwardExercise(Exercise):
+    """The learner's function prepares a model; the checker runs the backward itself (inside a
+    span "backward" that the rules can see), calls what the function returned, and returns the
+    model's gradients."""
+
+    def worker(self, function, log_dir: str):
+        task_rules, inputs = self.rules, self.inputs
+
+        def call_then_backward(rank, world_size, *args):
+            model, batch = inputs(rank, world_size, *args)
+            with CallRecorder(task_rules, rules_module.log_path(log_dir, rank),
+                              function) as recorder:
+                finish = function(rank, world_size, model)
+                with recorder.span("backward"):
+                    reference.mse_loss(model(batch.inputs), batch.targets).backward()
+                finish()
+            return {name: param.grad for name, param in model.named_parameters()}
+
+        return call_then_backward
+
+
+def _overlap_inputs(rank, world_size, seed):
+    """The same replica on every rank, and this rank's slice of a batch of 12."""
+    batch = reference.mlp_data(seed=seed, batch_size=12, dim=8)[0]
+    return copy.deepcopy(_MODEL), batch.shard(rank, world_size)
+
+
+def _overlap_expected(rank, world_size, seed):
+    return reference.gradients(_MODEL, reference.mlp_data(seed=seed, batch_size=12, dim=8)[0],
+                               reference.mse_loss)
+
+
+EXERCISES["overlapped_average"] = BackwardExercise(
+    "data parallelism's averaging, overlapped with backward: write `attach(rank, world_size, "
+    "model)`, which prepares `model` (the same replica on every rank) and returns a function "
+    "`finish()`. The checker then runs forward and backward on your rank's slice of the batch, "
+    "calls finish(), and reads every parameter's .grad. What must hold: the gradients are the "
+    "whole batch's (the mean loss over every rank's samples), and every all_reduce starts "
+    "while backward runs, as soon as the gradient it carries is ready",
+    [(2, (1,)), (3, (2,)), (4, (3,))],
+    _overlap_expected,
+    inputs=_overlap_inputs,
+    rules=(Only("all_reduce", text="communicate with all_reduce only"),
+           DuringSpan("all_reduce", "backward",
+                      text="every all_reduce starts while backward runs")))
+

@@ -39,3 +39,20 @@ def bucketed_average(rank, world_size, grads, bucket_bytes):
                 averaged[i] = piece.view_as(grads[i])
             bucket = []
     return averaged
+
+
+def overlapped_average(rank, world_size, model):
+    pending = []
+
+    def ready(param):  # autograd calls it as soon as param.grad is complete
+        pending.append(dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, async_op=True))
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(ready)
+
+    def finish():
+        for work in pending:
+            work.wait()
+
+    return finish
+

@@ -124,3 +124,34 @@ EXERCISES = {
                             "each backward's gradient to rank - 1",
                        who="1F1B"))),
 }
+
+
+def _order(rank, world_size, m, kind):
+    """A rank's order: GPipe's, 1F1B's, or every forward and then the backwards newest first."""
+    if kind == "reversed":
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    return schedule_order(kind, rank, world_size, m)
+
+
+def _order_sends(rank, world_size, seed, batch, m, width, kind):
+    return [rank + 1 if step == "F" else rank - 1 for step, _ in _order(rank, world_size, m, kind)
+            if (step == "F" and rank < world_size - 1) or (step == "B" and rank > 0)]
+
+
+EXERCISES["pipeline_by_order"] = Exercise(
+    "a pipeline step that runs any schedule: you get what one_f_one_b_step got and `order`, "
+    "this rank's list of ('F', i) and ('B', i) (GPipe's, 1F1B's, or another order in which "
+    "every forward of a micro-batch comes before its backward on every rank). Run your "
+    "layer's forwards and backwards in that order and return the gradient of your `weight`, "
+    "equal to one process's; the step must not deadlock whatever the order, and each "
+    "activation goes once to rank + 1, each gradient once to rank - 1",
+    [(2, (0, 4, 2, 3, "gpipe")), (3, (1, 6, 3, 4, "1f1b")), (4, (2, 8, 4, 5, "1f1b")),
+     (3, (5, 6, 3, 2, "reversed"))],
+    lambda rank, n, seed, batch, m, width, kind: _backward_expected(rank, n, seed, batch, m,
+                                                                     width),
+    inputs=lambda rank, n, seed, batch, m, width, kind: (
+        *_inputs(rank, n, seed, batch, m, width), _order(rank, n, m, kind)),
+    timeout=20,
+    rules=(Only(*POINT_TO_POINT, text="use point-to-point calls only (no collectives)"),
+           SendsTo(_order_sends, text="each activation once to rank + 1 and each gradient once "
+                                      "to rank - 1, in your order", who="the order")))

@@ -139,7 +139,8 @@ def pipeline_step(stage: nn.Module, inputs, targets, loss_fn, num_micro_batches:
     of every micro-batch in the order `schedule` gives; the gradients of the batch's mean loss
     are added to the stage's parameters' .grad. The first rank passes the batch's `inputs`, the
     last its `targets` and `loss_fn(outputs, targets)` (a mean over the micro-batch); the others
-    pass None. Returns the batch's mean loss on the last rank, None elsewhere."""
+    pass None. Returns the batch's mean loss on the last rank (the sum of the micro-batches'
+    losses, each divided by m in StageCompute.forward), None elsewhere."""
     messages = Messages(group)
     chunks = split_micro_batches(messages, inputs, targets, num_micro_batches)
     if schedule == "zb" and not isinstance(stage, nn.Sequential):

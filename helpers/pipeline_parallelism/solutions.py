@@ -78,3 +78,34 @@ def one_f_one_b_step(rank, world_size, weight, micro_batches, num_micro_batches,
     for work in sends:
         work.wait()
     return weight.grad
+
+
+def pipeline_by_order(rank, world_size, weight, micro_batches, num_micro_batches, shape, order):
+    weight = weight.clone().requires_grad_()
+    kept, sends = {}, []  # micro-batch -> (input, output); sends are waited for at the end
+    for kind, i in order:
+        if kind == "F":
+            if rank == 0:
+                x = micro_batches[i]
+            else:
+                x = torch.empty(shape)
+                dist.recv(x, src=rank - 1)
+                x.requires_grad_()
+            out = F.gelu(x @ weight)
+            if rank < world_size - 1:
+                sends.append(dist.isend(out.detach(), dst=rank + 1))  # never wait here
+            kept[i] = (x, out)
+        else:
+            x, out = kept.pop(i)
+            if rank == world_size - 1:
+                (out.square().mean() / num_micro_batches).backward()
+            else:
+                grad = torch.empty(shape)
+                dist.recv(grad, src=rank + 1)
+                out.backward(grad)
+            if rank > 0:
+                sends.append(dist.isend(x.grad, dst=rank - 1))
+    for work in sends:
+        work.wait()
+    return weight.grad
+

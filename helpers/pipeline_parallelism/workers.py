@@ -17,7 +17,7 @@ from helpers.pipeline_parallelism.stages import mlp_stage, stage_layer_names
 from helpers.timing import take_turns
 
 
-def _ends(rank, world_size, batch):
+def ends(rank, world_size, batch):
     first, last = rank == 0, rank == world_size - 1
     return (batch.inputs if first else None), (batch.targets if last else None)
 
@@ -32,7 +32,7 @@ def step_worker(rank, world_size, model, batch, num_micro_batches, schedule):
     event log (schedule.events), and when it started and ended (time.perf_counter(): one clock
     for all ranks)."""
     stage = mlp_stage(model, rank, world_size)
-    inputs, targets = _ends(rank, world_size, batch)
+    inputs, targets = ends(rank, world_size, batch)
     dist.barrier()
     with Observer(memory_of=stage) as observed, observed.span("step"):
         loss = pipeline_step(stage, inputs, targets, reference.mse_loss, num_micro_batches,
@@ -55,7 +55,7 @@ def torch_schedule(stage, rank, world_size, num_micro_batches, schedule):
 
 
 def torch_step(runner, rank, world_size, batch):
-    inputs, targets = _ends(rank, world_size, batch)
+    inputs, targets = ends(rank, world_size, batch)
     losses = []
     if rank == 0:
         runner.step(inputs)
@@ -85,7 +85,7 @@ def step_times_worker(rank, world_size, model, batch, num_micro_batches, iterati
     stages = {name: mlp_stage(model, rank, world_size) for name in CONTENDERS}
     runner = torch_schedule(stages["torch Schedule1F1B"], rank, world_size, num_micro_batches,
                              "1f1b")
-    inputs, targets = _ends(rank, world_size, batch)
+    inputs, targets = ends(rank, world_size, batch)
     steps = {
         "hand-built 1F1B": lambda: pipeline_step(stages["hand-built 1F1B"], inputs, targets,
                                                  reference.mse_loss, num_micro_batches, "1f1b"),

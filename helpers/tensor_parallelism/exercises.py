@@ -124,3 +124,30 @@ EXERCISES = {
                          text="one reduce_scatter_single of x's gradient, into your tokens")),
         names=("y", "the gradient of x_tokens", "the gradient of weight_rows")),
 }
+
+
+def _vocabulary(seed, vocab, h, tokens):
+    """The whole embedding table (vocab x h) and a batch of token ids touching every rank's rows."""
+    table = seeded_randn(seed, vocab, h)
+    ids = (seeded_randn(seed + 1, 2, tokens).abs() * vocab).long() % vocab
+    ids[0, 0], ids[-1, -1] = 0, vocab - 1  # the first and the last row, on the end ranks
+    return table, ids
+
+
+EXERCISES["vocab_parallel_embedding"] = Exercise(
+    "an embedding table cut by rows over the ranks, as Megatron-LM cuts a large vocabulary: "
+    "rank r holds rows r V/n to (r + 1) V/n - 1 of the table (V x h) as `rows`. You get your "
+    "`rows`, the vocabulary size `vocab`, and `ids`, a batch of token ids (the same on every "
+    "rank, any of the V tokens). Return, on every rank, the embedding of every token (shape "
+    "ids.shape + (h,)), equal to a lookup in the whole table. No rank may assemble the whole "
+    "table: communicate with one all_reduce of the batch's embeddings",
+    [(2, (0, 8, 3, 5)), (4, (1, 12, 2, 6)), (3, (2, 9, 4, 4))],
+    lambda rank, n, seed, vocab, h, tokens: _vocabulary(seed, vocab, h, tokens)[0][
+        _vocabulary(seed, vocab, h, tokens)[1]],
+    inputs=lambda rank, n, seed, vocab, h, tokens: (
+        _vocabulary(seed, vocab, h, tokens)[0].chunk(n)[rank], vocab,
+        _vocabulary(seed, vocab, h, tokens)[1]),
+    rules=(Only("all_reduce", text="communicate with all_reduce only"),
+           CallSizes("all_reduce", lambda n, seed, vocab, h, tokens: [2 * tokens * h],
+                     text="one all_reduce of the batch's embeddings")))
+

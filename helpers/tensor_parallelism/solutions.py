@@ -38,3 +38,13 @@ def sequence_parallel_linear(rank, world_size, x_tokens, weight_rows, grad_y):
     grad_tokens = grad_x.new_empty(grad_x.shape[0] // world_size, *grad_x.shape[1:])
     dist.reduce_scatter_single(grad_tokens, grad_x)  # the sum over ranks, of my tokens
     return y, grad_tokens.transpose(0, 1), grad_weight
+
+
+def vocab_parallel_embedding(rank, world_size, rows, vocab, ids):
+    first = rank * rows.shape[0]  # the token id of this rank's first row
+    mine = (ids >= first) & (ids < first + rows.shape[0])
+    embedded = rows[(ids - first).clamp(0, rows.shape[0] - 1)]  # every id looked up somewhere
+    embedded[~mine] = 0  # ... and kept only where this rank holds the row
+    dist.all_reduce(embedded)  # each token's row comes from exactly one rank
+    return embedded
+

@@ -139,3 +139,35 @@ EXERCISES = {
                    text="one reduce_scatter_single of the weight's gradient into your piece")),
         names=("y", "grad_x", "your piece of the weight's gradient")),
 }
+
+
+def _clip_case(seed, max_norm):
+    """The whole gradients of a model of SHAPES, scaled so that max_norm sometimes clips them and
+    sometimes does not."""
+    return [grad * (seed + 1) for grad in _layer(seed, SHAPES)], max_norm
+
+
+def _clip_expected(rank, world_size, seed, max_norm):
+    """torch.nn.utils.clip_grad_norm_ on the whole gradients, in one process; this rank's pieces."""
+    grads, _ = _clip_case(seed, max_norm)
+    params = [torch.nn.Parameter(torch.zeros_like(grad)) for grad in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return [shard_of(param.grad, rank, world_size) for param in params]
+
+
+EXERCISES["clip_sharded_gradients"] = Exercise(
+    "clipping by the global norm when no rank holds a whole gradient: you get `pieces`, your "
+    "rank's piece of each of a model's gradients (each flattened, zero-padded and cut into one "
+    "piece per rank, as this lesson shards them), and `max_norm`. Return your pieces after "
+    "clipping, equal to your pieces of what torch.nn.utils.clip_grad_norm_(parameters, "
+    "max_norm) leaves in the whole gradients. Communicate as little as it takes: one "
+    "all_reduce of a single number",
+    [(2, (0, 1.0)), (3, (1, 100.0)), (4, (2, 2.5))],
+    _clip_expected,
+    inputs=lambda rank, n, seed, max_norm: (
+        [shard_of(grad, rank, n) for grad in _clip_case(seed, max_norm)[0]], max_norm),
+    rules=(Only("all_reduce", text="communicate with all_reduce only"),
+           CallSizes("all_reduce", lambda n, seed, max_norm: [1],
+                     text="one all_reduce of a single number")))

@@ -14,7 +14,7 @@ A layer's full weight exists only while the layer computes:
 
 For a layer gathered in its forward and its backward, each rank sends (n-1)/n of its parameters
 three times per step (two all-gathers, one reduce-scatter): 3(n-1)/n, 1.5 times data
-parallelism's 2(n-1)/n (the ZeRO paper, section VII-B-2). An Embedding, gathered once, costs less;
+parallelism's 2(n-1)/n (the ZeRO paper, section 7.2.2). An Embedding, gathered once, costs less;
 a tied weight, reduce-scattered once per use, costs more.
 
 Other parameters (LayerNorm's) stay whole on every rank, and finish_gradient_synchronization()
@@ -67,7 +67,7 @@ class GatheredBytes:
         self.now -= size
 
 
-class _Sharding:
+class Sharding:
     """What the sharded layers of one FSDP share: the group, the compute dtype, the layout of
     every piece, and the gathered-bytes tracker.
 
@@ -191,7 +191,7 @@ class ShardedUnit(nn.Module):
     """A module whose parameters, all of them, live in one piece per rank (see GatheredUnit).
     The module keeps its structure; its parameters become empty placeholders."""
 
-    def __init__(self, module: nn.Module, sharding: _Sharding, gathered: GatheredBytes):
+    def __init__(self, module: nn.Module, sharding: Sharding, gathered: GatheredBytes):
         super().__init__()
         named = list(module.named_parameters())
         self.names = tuple(name for name, _ in named)
@@ -217,7 +217,7 @@ class ShardedUnit(nn.Module):
 class ShardedLinear(nn.Module):
     """An nn.Linear whose weight and bias live in one piece per rank."""
 
-    def __init__(self, linear: nn.Linear, sharding: _Sharding, gathered: GatheredBytes):
+    def __init__(self, linear: nn.Linear, sharding: Sharding, gathered: GatheredBytes):
         super().__init__()
         params = (linear.weight,) if linear.bias is None else (linear.weight, linear.bias)
         self.piece = sharding.piece_of(params)
@@ -231,7 +231,7 @@ class ShardedLinear(nn.Module):
 class ShardedEmbedding(nn.Module):
     """An nn.Embedding whose table is one piece per rank."""
 
-    def __init__(self, embedding: nn.Embedding, sharding: _Sharding, gathered: GatheredBytes):
+    def __init__(self, embedding: nn.Embedding, sharding: Sharding, gathered: GatheredBytes):
         super().__init__()
         if (embedding.padding_idx is not None or embedding.max_norm is not None
                 or embedding.scale_grad_by_freq or embedding.sparse):
@@ -258,31 +258,31 @@ class FSDP(nn.Module):
         source = dist.get_global_rank(group, 0) if group is not None else 0
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=source, group=group)
-        self._sharding, self.gathered = _Sharding(group, compute_dtype), GatheredBytes()
+        self.sharding, self.gathered = Sharding(group, compute_dtype), GatheredBytes()
         units = list(units or [])
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
                 if any(child is unit for unit in units):
-                    setattr(parent, name, ShardedUnit(child, self._sharding, self.gathered))
+                    setattr(parent, name, ShardedUnit(child, self.sharding, self.gathered))
         inside_units = {id(sub) for unit in units for sub in unit.modules()}
         for parent in list(module.modules()):
             if id(parent) in inside_units:
                 continue
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, name, ShardedLinear(child, self._sharding, self.gathered))
+                    setattr(parent, name, ShardedLinear(child, self.sharding, self.gathered))
                 elif type(child) is nn.Embedding:
-                    setattr(parent, name, ShardedEmbedding(child, self._sharding, self.gathered))
+                    setattr(parent, name, ShardedEmbedding(child, self.sharding, self.gathered))
         self.module = module
         self.replicated = [param for param in module.parameters()
-                           if param.requires_grad and param not in self._sharding.shapes]
+                           if param.requires_grad and param not in self.sharding.shapes]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     @property
     def group(self):
-        return self._sharding.group
+        return self.sharding.group
 
     def finish_gradient_synchronization(self) -> None:
         """Average the gradients of the parameters that are not sharded (the pieces' gradients
@@ -297,7 +297,7 @@ class FSDP(nn.Module):
         before clipping. Each rank holds only pieces, so the squared norms of the pieces are
         summed over the ranks (all_reduce); the replicated gradients, equal on every rank, count
         once. Call it after finish_gradient_synchronization()."""
-        pieces = [p.grad for p in self._sharding.shapes if p.grad is not None]
+        pieces = [p.grad for p in self.sharding.shapes if p.grad is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
         squares = sum((grad ** 2).sum() for grad in pieces) + torch.zeros(())
         dist.all_reduce(squares, group=self.group)
@@ -323,7 +323,7 @@ class FSDP(nn.Module):
             if isinstance(layer, (ShardedLinear, ShardedEmbedding, ShardedUnit)):
                 if layer.piece not in done:
                     done.add(layer.piece)
-                    shapes = self._sharding.shapes[layer.piece]
+                    shapes = self.sharding.shapes[layer.piece]
                     flat = gather(layer.piece, torch.Size([sum(math.prod(s) for s in shapes)]),
                                   self.group)
                     parts = flat.split([math.prod(shape) for shape in shapes])

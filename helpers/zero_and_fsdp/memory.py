@@ -5,8 +5,8 @@ Training with Adam keeps, per parameter:
   mixed precision (ZeRO)   2 (fp16 weights) + 2 (fp16 gradients) + K = 12 (float32
                            master weights 4, momentum 4, variance 4)                  = 16 bytes
 The second is the accounting of Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training
-Trillion Parameter Models" (SC 2020, section III-A and Figure 1). With Psi parameters on n ranks,
-each stage shards one more part (the paper's P_os, P_os+g, P_os+g+p):
+Trillion Parameter Models" (SC 2020; arXiv 1910.02054, section 3.1 and Figure 1). With Psi
+parameters on n ranks, each stage shards one more part (the paper's P_os, P_os+g, P_os+g+p):
   stage 0 (data parallelism)  weights + gradients + optimizer state
   stage 1                     weights + gradients + optimizer state / n
   stage 2                     weights + (gradients + optimizer state) / n

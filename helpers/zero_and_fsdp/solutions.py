@@ -55,3 +55,13 @@ def zero3_linear(rank, world_size, piece, shape, x, grad_output):
     grad_x = grad_output @ weight
     grad_piece = _scatter_mean(grad_output.T @ x, world_size)
     return y, grad_x, grad_piece
+
+
+def clip_sharded_gradients(rank, world_size, pieces, max_norm):
+    # the squares of every rank's pieces (padding is zeros), summed over the ranks, are the
+    # squares of the whole gradients
+    squares = torch.stack([piece.square().sum() for piece in pieces]).sum().reshape(1)
+    dist.all_reduce(squares)
+    total = squares.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s own formula
+    return [piece * scale for piece in pieces]
