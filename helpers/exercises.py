@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import math
 import shutil
 import tempfile
@@ -135,7 +136,7 @@ def _check_case(exercise, function, case):
         except Exception as error:  # noqa: BLE001 - the student's code may raise anything
             return [f"Your function raised {type(error).__name__}: {error}"]
         problem = _compare(got, exercise.expected(*case), exercise.names)
-        return [f"For the input {given}: {problem}"] if problem else None
+        return [f"For the input {_labelled(function, given)}: {problem}"] if problem else None
     world_size, args = case
     log_dir = tempfile.mkdtemp(prefix="helpers-check-")
     try:
@@ -197,6 +198,17 @@ def _describe(call) -> str:
     return f"dist.{call.name}({'' if call.detail is None else f'group of ranks {call.detail}'})"
 
 
+def _labelled(function, given: tuple) -> str:
+    """The inputs by the names of the learner's own parameters: `world_size=4, rank=3`."""
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return repr(given)
+    if len(names) != len(given):
+        return repr(given)
+    return ", ".join(f"{name}={value!r}" for name, value in zip(names, given))
+
+
 def _not_started(exercise):
     return ["This exercise is waiting for your code: replace the `raise NotImplementedError` "
             "line with your solution, then run the cell again.",
@@ -232,6 +244,8 @@ def _compare(got, expected, names=()) -> str | None:
         how = " (tensor.item() gives one)" if isinstance(got, torch.Tensor) else ""
         return f"expected a Python {kind}{how}, got {type(got).__name__} {got!r}"
     if isinstance(expected, int) and not isinstance(got, int):
+        if got != expected:  # a wrong value first: the type is the smaller mistake
+            return f"expected {expected}, got {got!r}"
         return f"expected a Python int, got {type(got).__name__} {got!r}"
     # A number a learner computes (a norm, a mean loss, a fitted time) may come from float32
     # sums in another order than the solution's, or from a fit on other points: 1e-4 relative is

@@ -393,12 +393,16 @@ def buckets_flat(rank, world_size, grads, bucket_bytes):  # returns the flat pie
      "got a list of 6 tensors of shapes (8, 8), (8,)"),
     ("accumulated_gradients", averaged_after_every_micro_batch,
      "one all_reduce per parameter, after the last micro-batch: rank 0's all_reduce calls held "
-     "[64, 8, 64, 8, 64, 8, 64, 8, 64, 8, 64, 8] elements (12 calls), where the task's rule "
-     "gives [64, 8, 64, 8, 64, 8] (6 calls)."),
-    ("sampler_indices", sampler_without_the_epoch, "For the input (10, 4, 3, 2, False)"),
-    ("sampler_indices", sampler_in_contiguous_blocks, "(10, 4, 1, 0, False)"),
-    ("sampler_indices", sampler_ignoring_drop_last, "For the input (10, 4, 0, 1, True)"),
-    ("sampler_indices", sampler_padding_once, "For the input (3, 8, 6, 0, False)"),
+     "[64, 8, 64, 8, 64, 8, 64, 8, 64, 8, 64, 8, 64, 8, 64, 8, 64, 8] elements (18 calls), where "
+     "the task's rule gives [64, 8, 64, 8, 64, 8] (6 calls)."),
+    ("sampler_indices", sampler_without_the_epoch,
+     "For the input dataset_size=10, world_size=4, rank=3, epoch=2, drop_last=False"),
+    ("sampler_indices", sampler_in_contiguous_blocks,
+     "dataset_size=10, world_size=4, rank=1, epoch=0, drop_last=False"),
+    ("sampler_indices", sampler_ignoring_drop_last,
+     "For the input dataset_size=10, world_size=4, rank=0, epoch=1, drop_last=True"),
+    ("sampler_indices", sampler_padding_once,
+     "For the input dataset_size=3, world_size=8, rank=6, epoch=0, drop_last=False"),
     ("bucketed_average", average_one_by_one,
      "one all_reduce per bucket, packed from the last tensor: rank 0's all_reduce calls held "
      "[12, 7, 25, 2, 16] elements (5 calls), where the task's rule gives [16, 27, 19] (3 calls)."),

@@ -89,13 +89,16 @@ def whole_array_across_the_nodes(size_bytes, nodes, gpus_per_node, intra_bandwid
 
 
 @pytest.mark.parametrize("name, mistake, says", [
-    ("bus_bandwidth", algbw_not_busbw, "For the input ('all_reduce', 4, 67108864, 0.05): expected"),
+    ("bus_bandwidth", algbw_not_busbw,
+     "For the input op='all_reduce', world_size=4, size_bytes=67108864, seconds=0.05: expected"),
     ("bus_bandwidth", input_taken_for_the_whole_array,
-     "For the input ('all_gather', 3, 1048576, 0.002)"),
-    ("bus_bandwidth", all_to_all_counted_twice, "For the input ('all_to_all', 4, 4194304, 0.004)"),
+     "For the input op='all_gather', world_size=3, input_bytes=1048576, seconds=0.002"),
+    ("bus_bandwidth", all_to_all_counted_twice,
+     "For the input op='all_to_all', world_size=4, size_bytes=4194304, seconds=0.004"),
     ("alpha_beta_from_two_points", alpha_and_beta_swapped, "alpha: expected 0.001, got"),
     ("two_level_all_reduce_seconds", whole_array_across_the_nodes,
-     "For the input (1073741824, 4, 8, 450000000000.0, 50000000000.0): expected"),
+     "For the input size_bytes=1073741824, nodes=4, gpus_per_node=8, "
+     "intra_bandwidth=450000000000.0, inter_bandwidth=50000000000.0: expected"),
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)

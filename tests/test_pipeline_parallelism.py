@@ -279,7 +279,8 @@ def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, num
 
 @pytest.mark.parametrize("name,mistake,says", [
     ("one_f_one_b_step", one_f_one_b_with_blocking_sends, "did not finish within"),
-    ("one_f_one_b_order", order_without_the_warm_up_limit, "For the input (0, 4, 2)"),
+    ("one_f_one_b_order", order_without_the_warm_up_limit,
+     "For the input rank=0, num_stages=4, num_micro_batches=2"),
     ("pipeline_forward", forward_broadcasting_the_activations,
      "each rank but the last sends each micro-batch's activations to rank + 1, once"),
     ("pipeline_backward", backward_without_dividing_by_m, "On 2 ranks, rank 0:"),

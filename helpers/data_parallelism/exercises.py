@@ -47,7 +47,8 @@ EXERCISES = {
         "error over your whole slice (each micro-batch's loss divided by m), then average every "
         "gradient across the ranks with one all_reduce per parameter, in the order of "
         "model.parameters(), once (not once per micro-batch); return {name: gradient}",
-        [(2, (8, 2)), (4, (8, 1)), (2, (16, 4))],
+        # the first case has m != n: a missing 1/m and a SUM for AVG then differ by other factors
+        [(2, (12, 3)), (4, (8, 1)), (2, (16, 4))],
         lambda rank, n, batch_size, m: reference.gradients(
             _MODEL, reference.mlp_data(seed=5, batch_size=batch_size, dim=8)[0],
             reference.mse_loss),
