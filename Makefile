@@ -28,13 +28,15 @@ lab: setup
 # and round in other orders, as another CPU would. The outputs and tolerances must not care
 # (helpers/tolerance.py).
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
-# The tests whose results are numbers declare `pytestmark = pytest.mark.numerical`.
+# The tests whose results are numbers declare `pytestmark = pytest.mark.numerical`; the
+# checkers' tests among them (their messages, not numbers) run once.
 OTHER_CPU := ATEN_CPU_CAPABILITY=default
 
 test: setup lint
 	$(PY) -m pytest -n 2 tests --ignore=tests/test_browser.py
 	$(PY) -m pytest -n 2 --dist loadfile $(NBVAL) $(NOTEBOOKS) tests/test_browser.py
-	$(OTHER_CPU) $(PY) -m pytest -n 2 -m numerical tests --ignore=tests/test_browser.py
+	$(OTHER_CPU) $(PY) -m pytest -n 2 -m numerical -k "not checker" tests \
+		--ignore=tests/test_browser.py
 	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) $(NOTEBOOKS)
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
@@ -52,6 +54,7 @@ lint: setup
 notebooks: setup
 	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 $(NOTEBOOKS)
+	$(PY) -m helpers.slides $(NOTEBOOKS)
 
 # Every lesson's key figure, for the README's gallery (the same bytes on every run).
 figures: setup

@@ -6,6 +6,7 @@ download does not work here. Without Chromium this test is skipped, and says why
 Screenshots: test-artifacts/browser/ (the path is printed).
 """
 
+import json
 import os
 import secrets
 import shutil
@@ -17,6 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from helpers import slides
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -39,7 +42,8 @@ def _free_port():
 @pytest.fixture
 def lab(tmp_path):
     """JupyterLab on loopback with a token, serving copies of the lessons, with its own settings."""
-    for name in ("01_processes_and_groups.ipynb", "05_how_all_reduce_works.ipynb"):
+    for name in ("01_processes_and_groups.ipynb", "05_how_all_reduce_works.ipynb",
+                 "06_data_parallelism.ipynb"):
         shutil.copy(REPO / "notebooks" / name, tmp_path / name)
     port, token = _free_port(), secrets.token_hex(16)
     private = {name: str(tmp_path / f".{name.lower()}") for name in (
@@ -171,6 +175,65 @@ def test_lesson_05_stepper_slider_redraws_the_ring(page):
         "([cell, before]) => { const image = cell.querySelector('.widget-output img');"
         " return image && image.getAttribute('src') !== before; }",
         arg=[cell.element_handle(), before], timeout=30_000)
-    assert cell.locator(".widget-readout").first.inner_text().strip() == "1"
+    # the slider's label is the step the panel's title shows: from "start" to step 0
+    assert cell.locator(".widget-readout").first.inner_text().strip() == "0"
     _show(cell.locator(".widget-output img").first)
     _screenshot(page, "05_stepper_step_1")
+
+
+SLIDES_LESSON = "06_data_parallelism.ipynb"
+SCREEN = {"width": 1280, "height": 720}
+
+
+def test_lesson_06_as_slides_fits_the_screen_and_runs_a_cell(lab):
+    """The lesson as RISE shows it (jupyterlab-rise's page, as Alt+R opens it) on a 1280 x 720
+    screen: the slides helpers.slides wrote, each no taller than the screen but a code cell
+    alone, and a code cell run inside them."""
+    from playwright.sync_api import sync_playwright
+
+    base, token = lab
+    cells = json.loads((REPO / "notebooks" / SLIDES_LESSON).read_text())["cells"]
+    planned = [sub_slide for slide in slides.slides(cells) for sub_slide in slide]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=SCREEN)
+            page.goto(f"{base}/rise/{SLIDES_LESSON}?token={token}")
+            page.locator(".reveal .slides > section").first.wait_for(timeout=60_000)
+            count = page.evaluate("() => [document.querySelectorAll('.reveal .slides > section')"
+                                  ".length, document.querySelectorAll("
+                                  "'.reveal .slides section section').length]")
+            assert count == [len(slides.slides(cells)), len(planned)]
+            too_tall = []
+            for index, sub_slide in enumerate(planned):
+                page.wait_for_timeout(300)
+                height = page.evaluate(
+                    "() => { const present = document.querySelectorAll("
+                    "'.reveal .slides section.present'); return present[present.length - 1]"
+                    ".scrollHeight; }")
+                alone = len(sub_slide) == 1 and sub_slide[0]["cell_type"] == "code"
+                if height > SCREEN["height"] and not alone:
+                    too_tall.append((index, height, "".join(sub_slide[0]["source"])[:60]))
+                page.keyboard.press("Space")
+            assert too_tall == []
+
+            page.goto(f"{base}/rise/{SLIDES_LESSON}?token={token}")  # back to the start
+            page.locator(".reveal .slides > section").first.wait_for(timeout=60_000)
+            page.wait_for_timeout(2000)
+            page.keyboard.press("Space")  # the imports, a code cell
+            cell = page.locator(".reveal section.present .jp-CodeCell").last.element_handle()
+            prompt = cell.query_selector(".jp-InputPrompt")
+            assert "from helpers.data_parallelism import" in cell.inner_text()
+            # Run it twice in the slides (Ctrl+Enter stays on the cell): a fresh kernel counts
+            # 1 and then 2, where the committed notebook says 1
+            for _ in range(2):
+                cell.query_selector(".cm-content").click()
+                page.keyboard.press("Control+Enter")
+                page.wait_for_function("prompt => /\\[[0-9]+\\]/.test(prompt.textContent)",
+                                       arg=prompt, timeout=120_000)
+            page.wait_for_function("prompt => prompt.textContent.includes('[2]')", arg=prompt,
+                                   timeout=120_000)
+            _screenshot(page, "06_slide_cell_run")
+        finally:
+            browser.close()
+

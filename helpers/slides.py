@@ -1,0 +1,178 @@
+"""Slide metadata for presenting a lesson with RISE (jupyterlab-rise, `Alt+R`): each heading starts
+a slide, and the cells under it are packed into sub-slides that fit a 1280 x 720 screen.
+
+    python -m helpers.slides notebooks/NN_name.ipynb ...
+
+rewrites the notebooks in place: markdown cells are cut at their headings, and prose taller than a
+screen is cut between paragraphs (never inside a fenced code block); every cell then gets its
+`slideshow.slide_type`. Outputs are kept. tests/test_slides.py checks that running it changes
+nothing, so the slides cannot drift from the lessons.
+
+Heights are estimated from the cells' contents (a line of prose, of code, of output; a figure's
+pixels), for a 1280 x 720 screen: an estimate, which the real-browser test measures on one lesson.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import sys
+import uuid
+
+SCREEN_WIDTH, BUDGET = 1280, 600  # pixels of a slide's content, below the slide's margins
+PROSE_LINE, HEADING_LINE, BLANK_LINE = 26, 48, 12
+CODE_LINE, OUTPUT_LINE, CELL_MARGIN = 20, 18, 24
+WIDGET = 320  # a widget's area
+
+
+def markdown_height(source: str) -> int:
+    height = CELL_MARGIN
+    for line in source.splitlines():
+        if not line.strip():
+            height += BLANK_LINE
+        elif line.startswith("#"):
+            height += HEADING_LINE
+        else:
+            height += PROSE_LINE * (1 + len(line) // 110)
+    return height
+
+
+def _png_height(data: str) -> int:
+    width, height = struct.unpack(">II", base64.b64decode(data[:64])[16:24])
+    return int(height * min(1.0, (SCREEN_WIDTH - 80) / width))
+
+
+def output_height(output: dict) -> int:
+    if "text" in output:
+        text = "".join(output["text"])
+        return OUTPUT_LINE * sum(1 + len(line) // 140 for line in text.splitlines())
+    data = output.get("data", {})
+    if "image/png" in data:
+        return _png_height(data["image/png"])
+    if "application/vnd.jupyter.widget-view+json" in data:
+        return WIDGET
+    if "text/html" in data:  # show_code's source (its text/plain), or a progress bar
+        lines = "".join(data.get("text/plain", "")).count("\n") + 1
+        return max(OUTPUT_LINE * 2, CODE_LINE * lines)
+    text = "".join(data.get("text/plain", ""))
+    return OUTPUT_LINE * (text.count("\n") + 1) if text else 0
+
+
+def cell_height(cell: dict) -> int:
+    source = "".join(cell["source"])
+    if cell["cell_type"] == "markdown":
+        return markdown_height(source)
+    return (CELL_MARGIN + CODE_LINE * (source.count("\n") + 1)
+            + sum(output_height(output) for output in cell.get("outputs", [])))
+
+
+def _new_markdown(source: str, like: dict) -> dict:
+    return {"cell_type": "markdown", "id": uuid.uuid4().hex[:8],
+            "metadata": {key: value for key, value in like["metadata"].items()
+                         if key != "slideshow"},
+            "source": source.splitlines(keepends=True)}
+
+
+def _pieces(source: str) -> list:
+    """A markdown cell's text cut before every heading but its first line, and between
+    paragraphs (or a list's items) where the text is taller than a screen (not inside ```
+    fences)."""
+    lines = source.splitlines(keepends=True)
+    blocks, current, fenced = [], [], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        if line.startswith("#") and current and not fenced:
+            blocks.append(current)
+            current = []
+        current.append(line)
+    blocks.append(current)
+    pieces = []
+    for block in blocks:
+        pieces += _paragraphs(block)
+    return ["".join(piece).strip("\n") for piece in pieces]
+
+
+def _paragraphs(lines: list) -> list:
+    if markdown_height("".join(lines)) <= BUDGET:
+        return [lines]
+    paragraphs, current, fenced = [], [], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        if line.startswith(("- ", "* ")) and current and not fenced:  # a list's items, too
+            paragraphs.append(current)
+            current = []
+        current.append(line)
+        if not line.strip() and not fenced:
+            paragraphs.append(current)
+            current = []
+    if current:
+        paragraphs.append(current)
+    packed, piece = [], []
+    for paragraph in paragraphs:
+        if piece and markdown_height("".join(piece + paragraph)) > BUDGET:
+            packed.append(piece)
+            piece = []
+        piece += paragraph
+    return packed + [piece]
+
+
+def split(cells: list) -> list:
+    """The cells, each markdown cell cut into the pieces `_pieces` gives."""
+    result = []
+    for cell in cells:
+        if cell["cell_type"] != "markdown":
+            result.append(cell)
+            continue
+        pieces = _pieces("".join(cell["source"]))
+        first = dict(cell, source=pieces[0].splitlines(keepends=True))
+        result += [first] + [_new_markdown(piece, cell) for piece in pieces[1:]]
+    return result
+
+
+def assign(cells: list) -> list:
+    """Each cell's slide type: "slide" at a #/## heading, "subslide" at a ### heading or where
+    the sub-slide so far would outgrow the screen, "-" (the same sub-slide) otherwise."""
+    used = 0
+    for cell in cells:
+        source = "".join(cell["source"])
+        height = cell_height(cell)
+        if cell["cell_type"] == "markdown" and source.startswith(("# ", "## ")):
+            kind, used = "slide", height
+        elif (cell["cell_type"] == "markdown" and source.startswith("### ")
+              or used and used + height > BUDGET):
+            kind, used = "subslide", height
+        else:
+            kind, used = "-", used + height
+        cell.setdefault("metadata", {})["slideshow"] = {"slide_type": kind}
+    return cells
+
+
+def slides(cells: list) -> list:
+    """Every slide: lists of the sub-slides' cells, as RISE shows them."""
+    found = []
+    for cell in cells:
+        kind = cell["metadata"]["slideshow"]["slide_type"]
+        if kind == "slide" or not found:
+            found.append([[cell]])
+        elif kind == "subslide":
+            found[-1].append([cell])
+        else:
+            found[-1][-1].append(cell)
+    return found
+
+
+def rewrite(path: str) -> None:
+    with open(path) as file:
+        notebook = json.load(file)
+    notebook["cells"] = assign(split(notebook["cells"]))
+    with open(path, "w") as file:
+        json.dump(notebook, file, indent=1, ensure_ascii=False)
+        file.write("\n")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        rewrite(name)

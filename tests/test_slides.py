@@ -1,0 +1,65 @@
+"""The lessons' slides (helpers.slides): the committed metadata is what the tool writes, every
+section heading starts a slide, and each sub-slide fits the screen by the tool's estimate."""
+
+import base64
+import copy
+import io
+import json
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pytest
+
+from helpers import slides
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob(
+    "[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_the_committed_slides_are_what_the_tool_writes(path):
+    cells = json.loads(path.read_text())["cells"]
+    again = slides.assign(slides.split(copy.deepcopy(cells)))
+    assert [("".join(cell["source"]), cell["metadata"]["slideshow"]) for cell in again] == [
+        ("".join(cell["source"]), cell["metadata"].get("slideshow")) for cell in cells], (
+        f"run: python -m helpers.slides {path.relative_to(path.parent.parent)}")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_each_section_is_a_slide_and_each_sub_slide_fits(path):
+    cells = json.loads(path.read_text())["cells"]
+    for cell in cells:
+        if cell["cell_type"] == "markdown" and "".join(cell["source"]).startswith("## "):
+            assert cell["metadata"]["slideshow"]["slide_type"] == "slide"
+    for slide in slides.slides(cells):
+        for sub_slide in slide:
+            height = sum(slides.cell_height(cell) for cell in sub_slide)
+            # a code cell alone may be taller: its output is long by nature
+            assert height <= slides.BUDGET or (
+                len(sub_slide) == 1 and sub_slide[0]["cell_type"] == "code"), (
+                "".join(sub_slide[0]["source"])[:80])
+
+
+def test_a_figure_counts_its_own_pixels():
+    fig = plt.figure(figsize=(4, 3), dpi=100)  # 400 x 300 pixels
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    output = {"data": {"image/png": base64.b64encode(buffer.getvalue()).decode()}}
+    assert slides.output_height(output) == 300
+
+
+def test_prose_is_cut_at_headings_and_paragraphs_but_not_inside_code():
+    fenced = "```python\n# a comment, not a heading\nx = 1\n```"
+    long = "\n\n".join(f"Paragraph {index}, " + "words " * 30 for index in range(30))
+    pieces = slides._pieces(f"## Title\n\nText.\n{fenced}\n### Next\n\n{long}")
+    assert pieces[0] == f"## Title\n\nText.\n{fenced}"
+    assert pieces[1].startswith("### Next")
+    assert len(pieces) > 2 and all(slides.markdown_height(piece) <= slides.BUDGET
+                                   for piece in pieces)
+    assert "".join(piece.replace("\n", "") for piece in pieces[1:]) == (
+        f"### Next\n\n{long}".replace("\n", ""))
