@@ -51,33 +51,9 @@ def pipeline_backward(rank, world_size, weight, micro_batches, num_micro_batches
 
 
 def one_f_one_b_step(rank, world_size, weight, micro_batches, num_micro_batches, shape):
-    weight = weight.clone().requires_grad_()
-    kept, sends = {}, []  # micro-batch -> (input, output); sends are waited for at the end
-    for kind, i in one_f_one_b_order(rank, world_size, num_micro_batches):
-        if kind == "F":
-            if rank == 0:
-                x = micro_batches[i]
-            else:
-                x = torch.empty(shape)
-                dist.irecv(x, src=rank - 1).wait()
-                x.requires_grad_()
-            out = F.gelu(x @ weight)
-            if rank < world_size - 1:
-                sends.append(dist.isend(out.detach(), dst=rank + 1))
-            kept[i] = (x, out)
-        else:
-            x, out = kept.pop(i)
-            if rank == world_size - 1:
-                (out.square().mean() / num_micro_batches).backward()
-            else:
-                grad = torch.empty(shape)
-                dist.irecv(grad, src=rank + 1).wait()
-                out.backward(grad)
-            if rank > 0:
-                sends.append(dist.isend(x.grad, dst=rank - 1))
-    for work in sends:
-        work.wait()
-    return weight.grad
+    # the step for any order (pipeline_by_order, below), given 1F1B's
+    return pipeline_by_order(rank, world_size, weight, micro_batches, num_micro_batches, shape,
+                             one_f_one_b_order(rank, world_size, num_micro_batches))
 
 
 def pipeline_by_order(rank, world_size, weight, micro_batches, num_micro_batches, shape, order):
