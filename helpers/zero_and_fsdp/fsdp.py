@@ -121,7 +121,7 @@ class GatheredLinear(torch.autograd.Function):
     def forward(ctx, inputs, piece, layer):
         ctx.save_for_backward(inputs)
         ctx.layer = layer  # keeps the piece (a parameter the rank holds anyway), not the weight
-        weight, *bias = layer.sharding.gather(piece, layer.gathered)
+        weight, *bias = layer.sharding.gather(piece, layer.gathered)  # bias: [] or [b]
         return F.linear(inputs.to(weight.dtype), weight, *bias).to(inputs.dtype)
 
     @staticmethod
@@ -132,7 +132,7 @@ class GatheredLinear(torch.autograd.Function):
         grad = grad_output.to(weight.dtype)
         grad_input = (grad @ weight).to(inputs.dtype)
         grad_piece = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:  # forward's second input, the piece, wants a gradient
             grad_rows, input_rows = grad.flatten(0, -2), inputs.to(weight.dtype).flatten(0, -2)
             gradients = [grad_rows.T @ input_rows] + ([grad_rows.sum(0)] if bias else [])
             grad_piece = layer.sharding.scatter(gradients, layer.piece)
