@@ -44,3 +44,12 @@ def test_a_result_off_by_a_factor_is_named():
     assert message.endswith("Your result is 2 times the expected one")
     unrelated = exercises._compare(torch.tensor([2.0, 1.0, 6.0]), torch.tensor([1.0, 2.0, 3.0]))
     assert "times the expected" not in unrelated
+
+
+def _first_rows_only(rank, world_size, w1, w2, x, y, tp):
+    return w1[:1], w2[:, :1]
+
+
+def test_a_failing_case_is_named_by_its_arguments():
+    text = repr(exercises.check("dp_tp_step", _first_rows_only))
+    assert text.endswith("The case: seed=1, tp=2."), text
