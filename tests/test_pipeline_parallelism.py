@@ -9,7 +9,6 @@ matplotlib.use("Agg")
 
 import pytest
 import torch
-import torch.distributed as dist
 from checker import expect_rejection
 from compare import labelled
 from torch import nn
@@ -242,18 +241,14 @@ def backward_without_dividing_by_m(rank, world_size, weight, micro_batches, num_
     return weight.grad
 
 
-def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, num_micro_batches,
-                                    shape):
+def by_order_with_blocking_sends(rank, world_size, weight, micro_batches, m, shape, order):
+    """The step in `order`, with blocking sends: in 1F1B's steady phase neighbours both send."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    warmup = min(world_size - rank - 1, num_micro_batches)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(num_micro_batches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(num_micro_batches - warmup, num_micro_batches)]
-    weight, kept = weight.clone().requires_grad_(), {}
+    weight = weight.clone().requires_grad_()
+    kept = {}
     for kind, i in order:
         if kind == "F":
             x = micro_batches[i] if rank == 0 else torch.empty(shape)
@@ -267,7 +262,7 @@ def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, num
         else:
             x, out = kept.pop(i)
             if rank == world_size - 1:
-                (out.square().mean() / num_micro_batches).backward()
+                (out.square().mean() / m).backward()
             else:
                 grad = torch.empty(shape)
                 dist.recv(grad, src=rank + 1)
@@ -275,6 +270,11 @@ def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, num
             if rank > 0:
                 dist.send(x.grad, dst=rank - 1)
     return weight.grad
+
+
+def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, m, shape):
+    return by_order_with_blocking_sends(rank, world_size, weight, micro_batches, m, shape,
+                                        schedule.schedule_order("1f1b", rank, world_size, m))
 
 
 @pytest.mark.parametrize("name,mistake,says", [
@@ -289,32 +289,6 @@ def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, num
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)
-
-
-def by_order_with_blocking_sends(rank, world_size, weight, micro_batches, m, shape, order):
-    weight = weight.clone().requires_grad_()
-    kept = {}
-    for kind, i in order:
-        if kind == "F":
-            x = micro_batches[i] if rank == 0 else torch.empty(shape)
-            if rank > 0:
-                dist.recv(x, src=rank - 1)
-                x.requires_grad_()
-            out = torch.nn.functional.gelu(x @ weight)
-            if rank < world_size - 1:
-                dist.send(out.detach(), dst=rank + 1)  # waits for a receive that waits on it
-            kept[i] = (x, out)
-        else:
-            x, out = kept.pop(i)
-            if rank == world_size - 1:
-                (out.square().mean() / m).backward()
-            else:
-                grad = torch.empty(shape)
-                dist.recv(grad, src=rank + 1)
-                out.backward(grad)
-            if rank > 0:
-                dist.send(x.grad, dst=rank - 1)
-    return weight.grad
 
 
 def by_order_ignoring_the_order(rank, world_size, weight, micro_batches, m, shape, order):
