@@ -164,22 +164,6 @@ class OffTheWorld(Rule):
         return call in self.calls and detail is None
 
 
-class DuringSpan(Rule):
-    """Every call of `call` starts inside the span `span` (e.g. "backward")."""
-
-    def __init__(self, call: str, span: str, text: str):
-        super().__init__(text)
-        self.call, self.span = call, span
-
-    def broken_by(self, logs, world_size, args=(), finished=True):
-        for rank, calls in sorted(logs.items()):
-            outside = [call for call in calls if call.name == self.call and call.span != self.span]
-            if outside:
-                return (f"{self.text}: rank {rank} started {len(outside)} of its "
-                        f"{self.call} calls after {self.span} had returned.")
-        return None
-
-
 def log_path(log_dir: str, rank: int) -> str:
     return os.path.join(log_dir, f"rank{rank}.jsonl")
 

@@ -512,9 +512,23 @@ def overlapped_sum(rank, world_size, model):
     return lambda: [work.wait() for work in pending]
 
 
+def average_all_at_the_last_gradient(rank, world_size, model):
+    params, pending = list(model.parameters()), []
+
+    def ready(param):  # the first layer's weight is the last gradient backward produces
+        if param is params[0]:
+            pending.extend(dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, async_op=True)
+                           for p in params)
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(ready)
+    return lambda: [work.wait() for work in pending]
+
+
 @pytest.mark.parametrize("mistake, says", [
-    (average_after_backward, "every all_reduce starts while backward runs: rank 0 started 6 of "
+    (average_after_backward, "as soon as the gradient it carries is ready: rank 0 started 6 of "
                              "its all_reduce calls after backward had returned"),
+    (average_all_at_the_last_gradient, "started every all_reduce once every gradient was ready"),
     (overlapped_sum, "Your result is 2 times the expected one"),
 ])
 def test_overlapped_average_checker_rejects_a_typical_mistake(mistake, says):

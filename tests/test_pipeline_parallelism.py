@@ -304,3 +304,19 @@ def by_order_ignoring_the_order(rank, world_size, weight, micro_batches, m, shap
 ])
 def test_pipeline_by_order_checker_rejects_a_typical_mistake(mistake, says):
     expect_rejection("pipeline_by_order", mistake, says)
+
+
+def test_the_event_log_counts_compute_only_so_each_event_follows_its_message():
+    """A forward starts after the previous rank's forward of that micro-batch ended, and a
+    backward after the next rank's backward ended: waiting for the message is not in the span
+    (one perf_counter clock for every process of the machine)."""
+    model, batch = mlp_case()
+    for name in ("1f1b", "zb"):
+        out = run(workers.step_worker, 4, show_output=False, kwargs=dict(
+            model=model, batch=batch, num_micro_batches=4, schedule=name))
+        spans = [{(event.kind, event.micro_batch): event for event in result["events"]}
+                 for result in out]
+        for rank in range(1, 4):
+            for i in range(4):
+                assert spans[rank]["F", i].start >= spans[rank - 1]["F", i].end, (name, rank, i)
+                assert spans[rank - 1]["B", i].start >= spans[rank]["B", i].end, (name, rank, i)

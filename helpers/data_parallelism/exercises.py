@@ -1,5 +1,6 @@
 """Lesson 06's exercises, checked by `helpers.exercises.check(name, your_function)`."""
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from helpers import reference
 from helpers import rules as rules_module
 from helpers.data_parallelism.ddp import bucket_indices
 from helpers.exercises import Exercise
-from helpers.rules import CallRecorder, CallSizes, DuringSpan, Only
+from helpers.rules import CallRecorder, CallSizes, Only, Rule
 
 _MODEL = reference.make_mlp(dim=8, num_layers=3, seed=4, bias=True)
 
@@ -90,11 +91,14 @@ EXERCISES = {
 }
 
 
+BACKWARD, LAST = "backward", "backward, after the last gradient"
+
+
 @dataclass
 class BackwardExercise(Exercise):
-    """The learner's function prepares a model; the checker runs the backward itself (inside a
-    span "backward" that the rules can see), calls what the function returned, and returns the
-    model's gradients."""
+    """The learner's function prepares a model; the checker runs the backward itself, calls what
+    the function returned, and returns the model's gradients. Calls are logged with the span
+    they start in: BACKWARD, or LAST once autograd has produced every gradient."""
 
     def worker(self, function, log_dir: str):
         task_rules, inputs = self.rules, self.inputs
@@ -102,14 +106,41 @@ class BackwardExercise(Exercise):
         def call_then_backward(rank, world_size, *args):
             model, batch = inputs(rank, world_size, *args)
             with CallRecorder(task_rules, rules_module.log_path(log_dir, rank),
-                              function) as recorder:
+                              function) as recorder, contextlib.ExitStack() as last:
+                params = [param for param in model.parameters() if param.requires_grad]
+                ready = []
+
+                def count(param):  # registered first, so it runs before the learner's hooks
+                    ready.append(param)
+                    if len(ready) == len(params):
+                        last.enter_context(recorder.span(LAST))
+
+                for param in params:
+                    param.register_post_accumulate_grad_hook(count)
                 finish = function(rank, world_size, model)
-                with recorder.span("backward"):
+                with recorder.span(BACKWARD):
                     reference.mse_loss(model(batch.inputs), batch.targets).backward()
+                    last.close()
                 finish()
             return {name: param.grad for name, param in model.named_parameters()}
 
         return call_then_backward
+
+
+class Overlapped(Rule):
+    """Every all_reduce starts during backward, and some before its last gradient is ready."""
+
+    def broken_by(self, logs, world_size, args=(), finished=True):
+        for rank, calls in sorted(logs.items()):
+            spans = [call.span for call in calls if call.name == "all_reduce"]
+            late = [span for span in spans if span not in (BACKWARD, LAST)]
+            if late:
+                return (f"{self.text}: rank {rank} started {len(late)} of its all_reduce calls "
+                        "after backward had returned.")
+            if finished and spans and BACKWARD not in spans:
+                return (f"{self.text}: rank {rank} started every all_reduce once every gradient "
+                        "was ready, so none ran while backward was still computing.")
+        return None
 
 
 def _overlap_inputs(rank, world_size, seed):
@@ -134,6 +165,6 @@ EXERCISES["overlapped_average"] = BackwardExercise(
     _overlap_expected,
     inputs=_overlap_inputs,
     rules=(Only("all_reduce", text="communicate with all_reduce only"),
-           DuringSpan("all_reduce", "backward",
-                      text="every all_reduce starts while backward runs")))
+           Overlapped(text="every all_reduce starts while backward runs, as soon as the "
+                           "gradient it carries is ready")))
 

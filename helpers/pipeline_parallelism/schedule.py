@@ -163,8 +163,9 @@ def pipeline_step(stage: nn.Module, inputs, targets, loss_fn, num_micro_batches:
             if not messages.last:
                 messages.send_activation(output)
         else:
+            grad = incoming.wait()  # waiting is not computing: outside the span
             with span(("B", i)):
-                input_grad = compute.backward(i, incoming.wait())
+                input_grad = compute.backward(i, grad)
             if not messages.first:
                 messages.send_gradient(input_grad)
     while compute.pending_w:
