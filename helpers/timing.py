@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,8 @@ def slowest_rank_seconds(step: Callable[[], object], group=None) -> float:
     return elapsed.item()
 
 
-def take_turns(contenders: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
-               group=None) -> dict[str, float]:
+def take_turns(contenders: dict[Hashable, Callable[[], object]], rounds: int, warmup: int = 1,
+               group=None) -> dict[Hashable, float]:
     """Each round runs every contender once, one after the other (so a slow spell of a shared
     machine falls on all of them); returns each one's median seconds (slowest rank) over the
     `rounds` after `warmup` rounds."""
