@@ -1,17 +1,22 @@
-"""Lesson 07's hand-built ZeRO-3 (FSDP) against PyTorch's fully_shard, in one run.
+"""Lesson 07's hand-built ZeRO against PyTorch's, in one run.
 
-    python benchmarks/zero.py [--world-sizes 2 4] [--dim 128] [--layers 4] [--vocab 512]
-                              [--seq-len 64] [--batch 16] [--iterations 10]
+    python benchmarks/zero.py [--parts 3 1-2] [--world-sizes 2 4] [--repeats 3] [--dim 128]
+                              [--layers 4] [--vocab 512] [--seq-len 64] [--batch 16]
+                              [--iterations 10] [--bucket-mb 1]
 
-Four copies of the same TinyLM (helpers.reference) train with AdamW on the same batch: the
-hand-built FSDP and fully_shard, each with every Linear and Embedding its own unit, and each with
-whole transformer blocks as units (as fully_shard's documentation wraps a transformer: fewer,
-larger collectives; the hand-built one then recomputes each block's forward in its backward).
-They take turns, step after step; each step starts after a barrier and lasts as long as the
-slowest rank. Prints the median step time of each, the ratios of hand-built to fully_shard with
-the same units, and the bytes of parameters, gradients and optimizer state each rank holds.
-Then stage 1 the same way: the hand-built ShardedOptimizer against DDP with
-ZeroRedundancyOptimizer.
+Copies of the same TinyLM (helpers.reference) train with AdamW on the same batch, taking turns
+step after step; each step starts after a barrier and lasts as long as the slowest rank. Every
+line is one run (--repeats runs per number of ranks); it prints the median step time of each
+contender, the ratios, and the bytes each rank holds.
+
+Part 3: the hand-built FSDP and fully_shard, each with every Linear and Embedding its own unit,
+and each with whole transformer blocks as units (as fully_shard's documentation wraps a
+transformer: fewer, larger collectives; the hand-built one then recomputes each block's forward
+in its backward).
+
+Part 1-2: the readable ShardedOptimizer (ZeRO-1), the BucketedShardedOptimizer as ZeRO-1 and as
+ZeRO-2 (buckets of --bucket-mb MiB, reduce-scattered during backward), and DDP with
+ZeroRedundancyOptimizer (PyTorch's ZeRO-1; DDP's default buckets).
 """
 
 import argparse
@@ -19,21 +24,66 @@ import argparse
 from helpers import reference, run
 from helpers.zero_and_fsdp.workers import (
     CONTENDERS,
-    STAGE_1_CONTENDERS,
-    stage_1_times_worker,
+    STAGE_1_2_CONTENDERS,
+    stage_1_2_times_worker,
     step_times_worker,
 )
 
 
+def stage_3(model, batch, options):
+    print(f"{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>26}" for name in CONTENDERS)
+          + f" | {'per layer':>9} {'per block':>9} | state bytes per rank (hand / fully_shard)")
+    for world_size in options.world_sizes:
+        for _ in range(options.repeats):
+            medians, held = run(step_times_worker, world_size,
+                                args=(model, batch, options.iterations), show_output=False,
+                                timeout=600)[0]
+            times = " ".join(f"{medians[name] * 1e3:>26.1f}" for name in CONTENDERS)
+            ratios = [medians[f"hand-built per {unit}"] / medians[f"fully_shard per {unit}"]
+                      for unit in ("layer", "block")]
+            state = {name: sum(parts.values()) for name, parts in held.items()}
+            print(f"{world_size:>5} | {times} | {ratios[0]:>8.2f}x {ratios[1]:>8.2f}x | "
+                  f"{state['hand-built per block']:,} / {state['fully_shard per block']:,}",
+                  flush=True)
+
+
+def stages_1_and_2(model, batch, options):
+    bucketed = STAGE_1_2_CONTENDERS[1:3]
+    print(f"{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>27}" for name in STAGE_1_2_CONTENDERS)
+          + " | " + " ".join(f"{name.split()[1] + ' / torch':>14}" for name in bucketed)
+          + " | optimizer state bytes per rank (bucketed / torch)")
+    for world_size in options.world_sizes:
+        for _ in range(options.repeats):
+            medians, held = run(stage_1_2_times_worker, world_size, show_output=False,
+                                timeout=600, kwargs=dict(
+                                    model=model, batch=batch, iterations=options.iterations,
+                                    bucket_mb=options.bucket_mb))[0]
+            times = " ".join(f"{medians[name] * 1e3:>27.1f}" for name in STAGE_1_2_CONTENDERS)
+            torch_zero = medians["ZeroRedundancyOptimizer"]
+            ratios = " ".join(f"{medians[name] / torch_zero:>13.2f}x" for name in bucketed)
+            print(f"{world_size:>5} | {times} | {ratios} | "
+                  f"{held[bucketed[0]]['optimizer']:,} / "
+                  f"{held['ZeroRedundancyOptimizer']['optimizer']:,}", flush=True)
+
+
+PARTS = {"3": ("ZeRO-3: the hand-built FSDP against fully_shard", stage_3),
+         "1-2": ("ZeRO-1 and ZeRO-2: the hand-built ShardedOptimizers against DDP + "
+                 "ZeroRedundancyOptimizer", stages_1_and_2)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per number of ranks")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="the global batch")
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--bucket-mb", type=float, default=1.0,
+                        help="the BucketedShardedOptimizer's bucket size (MiB)")
     options = parser.parse_args()
     model = reference.make_lm(vocab=options.vocab, dim=options.dim, heads=4, layers=options.layers,
                               max_seq_len=options.seq_len, seed=0)
@@ -42,31 +92,11 @@ def main():
     parameters = sum(param.numel() for param in model.parameters())
     print(f"TinyLM: {parameters:,} parameters ({options.layers} blocks of width {options.dim}, "
           f"vocabulary {options.vocab}, sequences of {options.seq_len}); global batch "
-          f"{options.batch}; AdamW; median of {options.iterations} alternating steps\n")
-    print(f"{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>26}" for name in CONTENDERS)
-          + f" | {'per layer':>9} {'per block':>9} | state bytes per rank (hand / fully_shard)")
-    for world_size in options.world_sizes:
-        medians, held = run(step_times_worker, world_size,
-                            args=(model, batch, options.iterations), show_output=False,
-                            timeout=600)[0]
-        times = " ".join(f"{medians[name] * 1e3:>26.1f}" for name in CONTENDERS)
-        ratios = [medians[f"hand-built per {unit}"] / medians[f"fully_shard per {unit}"]
-                  for unit in ("layer", "block")]
-        state = {name: sum(parts.values()) for name, parts in held.items()}
-        print(f"{world_size:>5} | {times} | {ratios[0]:>8.2f}x {ratios[1]:>8.2f}x | "
-              f"{state['hand-built per block']:,} / {state['fully_shard per block']:,}",
-              flush=True)
-    print(f"\nstage 1\n{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>28}"
-                                                  for name in STAGE_1_CONTENDERS)
-          + f" | {'hand / torch':>12} | state bytes per rank (hand / torch)")
-    for world_size in options.world_sizes:
-        medians, held = run(stage_1_times_worker, world_size,
-                            args=(model, batch, options.iterations), show_output=False,
-                            timeout=600)[0]
-        hand, torch_zero = (medians[name] for name in STAGE_1_CONTENDERS)
-        state = [sum(held[name].values()) for name in STAGE_1_CONTENDERS]
-        print(f"{world_size:>5} | {hand * 1e3:>28.1f} {torch_zero * 1e3:>28.1f} | "
-              f"{hand / torch_zero:>11.2f}x | {state[0]:,} / {state[1]:,}", flush=True)
+          f"{options.batch}; AdamW; median of {options.iterations} alternating steps per run")
+    for part in options.parts:
+        title, measure = PARTS[part]
+        print(f"\n{title}")
+        measure(model, batch, options)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The drawing toolkit every lesson's pictures share: colours, rank boxes, per-rank timelines, and
-`write_key_figures`, which `make figures` runs to write each lesson's key figure to figures/.
+"""The drawing toolkit every lesson's pictures share: colours, rank boxes, per-rank timelines, a
+training step's compute against its collectives, and `write_key_figures`, which `make figures`
+runs to write each lesson's key figure to figures/.
 
 Everything here runs in the notebook kernel, on data the ranks returned (workers never plot).
 """
@@ -11,7 +12,7 @@ import os
 import sys
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import FancyBboxPatch
+from matplotlib.patches import FancyBboxPatch, Patch
 
 # One colour per rank, group or series, in this order.
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
@@ -19,6 +20,15 @@ GREY = "#8c8c8c"
 # Timeline bars: what a rank was doing.
 EVENT_COLORS = {"compute": "#55A868", "send": "#4C72B0", "recv": "#4C72B0", "isend": "#8172B3",
                 "irecv": "#8172B3", "wait": "#C44E52", "work": "#55A868", "barrier": "#C44E52"}
+
+# A training step's lanes (plot_step_timelines). Compute lane: what the rank's own thread does;
+# hatched, the spans in which it waits for communication. Communication lane: the collectives
+# in flight, two shades each, alternating, so that neighbouring buckets show.
+LANE_COLORS = {"forward": "#8FBF9F", "backward": "#55A868", "step": "#8172B3"}
+WAITING = ("naive all_reduces", "wait")
+COLLECTIVE_COLORS = {"all_reduce": ("#4C72B0", "#7FA3D6"),
+                     "reduce_scatter": ("#4C72B0", "#7FA3D6"),
+                     "all_gather": ("#DD8452", "#F0B27A")}
 
 
 def color(index: int) -> str:
@@ -66,6 +76,61 @@ def plot_timelines(runs: dict, label_min_ms: float = 8):
                       frameon=False, ncols=len(by_color), loc="lower right",
                       bbox_to_anchor=(1, 1.12))
     axes[-1, 0].set_xlabel("time since the common start (ms)")
+    fig.tight_layout()
+    return fig
+
+
+def draw_step(ax, per_rank: list, collectives: tuple) -> tuple:
+    """Two lanes per rank on `ax`: what the rank computes (or waits for), and its `collectives`
+    (events whose label is one of them). A collective's bar ends when it completes and starts
+    at its launch or at the previous completion, whichever is later: collectives launched
+    together wait for each other, and the bars do not hide one another. Returns the y tick
+    positions and their labels."""
+    ticks, labels = [], []
+    for rank, events in enumerate(per_rank):
+        compute_y, comm_y = 2 * rank, 2 * rank + 0.8
+        finished = 0.0
+        for index, (name, launched, ended) in enumerate(sorted(
+                (e for e in events if e[0] in collectives), key=lambda e: e[2])):
+            start, finished = max(launched, finished), ended  # a bar per completion, no overlap
+            ax.barh(comm_y, (ended - start) * 1e3, left=start * 1e3, height=0.7,
+                    color=COLLECTIVE_COLORS[name][index % 2], edgecolor="white", linewidth=0.5)
+        for label, start, end in events:
+            if label in collectives:
+                continue
+            waiting = label in WAITING
+            ax.barh(compute_y, (end - start) * 1e3, left=start * 1e3, height=0.7,
+                    color=LANE_COLORS.get(label, GREY), hatch="///" if waiting else None,
+                    edgecolor="white", alpha=0.6 if waiting else 1)
+        ticks += [compute_y, comm_y]
+        who = f"rank {rank}" if len(per_rank) > 1 else "each rank"
+        labels += [f"{who} compute", f"{who} {' / '.join(collectives)}"]
+    return ticks, labels
+
+
+def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_reduce",)):
+    """One training step per strategy, {title: {"events": per-rank lists of (label, start_s,
+    end_s), "step_seconds": s}}: a compute lane and a lane of `collectives` per rank, on a common
+    time axis."""
+    lanes = 2 * max(len(run["events"]) for run in runs.values())
+    fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
+                             figsize=(9, 0.42 * lanes * len(runs) + 1.3))
+    for ax, (title, run) in zip(axes[:, 0], runs.items()):
+        ticks, labels = draw_step(ax, run["events"], collectives)
+        ax.set_yticks(ticks, labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{title}: step {run['step_seconds'] * 1e3:.0f} ms ({what})", fontsize=10,
+                     loc="left")
+    handles = [Patch(color=LANE_COLORS[name], label=name) for name in LANE_COLORS]
+    handles += [Patch(facecolor=GREY, alpha=0.6, hatch="///",
+                      label=f"waiting for {' / '.join(collectives)}")]
+    handles += [Patch(color=COLLECTIVE_COLORS[name][0], label=f"{name} (a bar per completion)")
+                for name in collectives]
+    rows = 1 if len(handles) <= 5 else 2
+    axes[0, 0].legend(handles=handles, fontsize=8, frameon=False,
+                      ncols=-(-len(handles) // rows), loc="lower left",
+                      bbox_to_anchor=(0, 1.02 + 0.13 * rows))
+    axes[-1, 0].set_xlabel("time since the step started (ms)")
     fig.tight_layout()
     return fig
 

@@ -62,7 +62,8 @@ class Record:
     tensor argument. `sent`/`received`: bytes this rank sends and receives (a collective's on a
     ring, by the cost model's table; an all-to-all's exactly, its own rows left out).
     `completed`: perf_counter seconds when it ended, for async_op=True when its Work finished
-    (None where gloo's Work has no future: point-to-point)."""
+    (its future's callback, or, for a Work without one, as gloo's reduce-scatter, a thread that
+    waits for it; None for point-to-point calls)."""
     name: str
     detail: object
     numel: int | None
@@ -106,6 +107,8 @@ class Observer:
         self.records, self.spans = [], []
         self._saved, self._span = [], None
         self._depth = threading.local()
+        self._unfinished, self._waiting = [], False  # async calls whose Work has no future
+        self._lock = threading.Lock()
 
     # --- what was seen ---------------------------------------------------------------------------
 
@@ -178,6 +181,33 @@ class Observer:
             namespace, key, value = self._saved.pop()
             _set(namespace, key, value)
 
+    def _on_completion(self, work, record):
+        """Set record.completed when `work` ends: from its future's callback, or, for a Work
+        without a future, from a thread that waits for it."""
+        def done(_):
+            record.completed = time.perf_counter()
+        try:
+            work.get_future().then(done)
+        except RuntimeError:  # this backend's Work has no future (gloo's reduce-scatter)
+            with self._lock:
+                self._unfinished.append((work, record))
+                if not self._waiting:
+                    self._waiting = True
+                    threading.Thread(target=self._wait_for_each, daemon=True).start()
+
+    def _wait_for_each(self):
+        """In a thread of its own: wait for each future-less Work in turn, noting when it ended
+        (no later than that, since they run in order on the group); return when none is left."""
+        while True:
+            with self._lock:
+                if not self._unfinished:
+                    self._waiting = False
+                    return
+                work, record = self._unfinished.pop(0)
+            with contextlib.suppress(Exception):  # an error reaches the caller's own wait()
+                work.wait()
+            record.completed = time.perf_counter()
+
     def _wrap(self, name, original):
         signature = inspect.signature(original)
 
@@ -196,20 +226,13 @@ class Observer:
             finally:
                 self._depth.value = 0
             if arguments.get("async_op") and result is not None:
-                _on_completion(result, record)
+                self._on_completion(result, record)
             elif name not in ("isend", "irecv", "batch_isend_irecv"):
                 record.completed = time.perf_counter()
             return result
 
         observed.__name__ = observed.__qualname__ = name
         return observed
-
-
-def _on_completion(work, record):
-    def done(_):
-        record.completed = time.perf_counter()
-    with contextlib.suppress(RuntimeError):  # this backend's Work has no future
-        work.get_future().then(done)
 
 
 def _size(value) -> int:

@@ -6,6 +6,8 @@ summarised by its median after a warm-up.
     slowest_rank_seconds(step, group)         one call of step(), timed on the slowest rank
     take_turns(contenders, rounds, warmup)    {name: median seconds}, contenders interleaved
     training_step(module, optimizer, ...)     zero_grad, forward, backward, finish, step
+    step_timeline(module, optimizer, ...)     the same step, observed: its compute spans and
+                                              collectives, for drawing.plot_step_timelines
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 import torch.distributed as dist
+
+from helpers.instrument import TABLE_NAME, Observer
 
 
 def slowest_rank_seconds(step: Callable[[], object], group=None) -> float:
@@ -51,3 +55,38 @@ def training_step(module, optimizer, loss_fn, inputs, targets, after_backward=No
     if after_backward is not None:
         after_backward()
     optimizer.step()
+
+
+def step_timeline(module, optimizer, loss_fn, inputs, targets, after_backward=None,
+                  finishing="wait", collectives=("all_reduce",), steps=7) -> dict:
+    """`steps` training steps (the first a warm-up), each observed: the spans forward, backward,
+    `finishing` (after_backward, if any) and step, and every call of `collectives` from its
+    launch to its completion. Returns the step of median time: {"events": [(label, start_s,
+    end_s)] from the step's start, "step_seconds": the slowest rank's}. Every rank must call it."""
+    measured = []
+    for _ in range(steps):
+        observed = Observer()
+
+        def step(observed=observed):
+            with observed:
+                optimizer.zero_grad()
+                with observed.span("forward"):
+                    loss = loss_fn(module(inputs), targets)
+                with observed.span("backward"):
+                    loss.backward()
+                if after_backward is not None:
+                    with observed.span(finishing):
+                        after_backward()
+                with observed.span("step"):
+                    optimizer.step()
+
+        seconds = slowest_rank_seconds(step)
+        start = observed.spans[0].start
+        events = [(span.label, span.start - start, span.end - start) for span in observed.spans]
+        events += [(TABLE_NAME.get(record.name, record.name), record.launched - start,
+                    record.completed - start) for record in observed.records
+                   if TABLE_NAME.get(record.name, record.name) in collectives
+                   and record.completed is not None]
+        measured.append({"events": events, "step_seconds": seconds})
+    later = sorted(measured[1:], key=lambda step: step["step_seconds"])
+    return later[len(later) // 2]

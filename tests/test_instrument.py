@@ -63,6 +63,25 @@ def test_point_to_point_bytes_peers_async_completion_and_the_callers_own_referen
     assert second == [("recv", 0, 0, 20, True), ("all_reduce", None, ring, ring, True)]
 
 
+def futureless_worker(rank, world_size):
+    """gloo's reduce-scatter returns a Work without a future: its completion is still seen."""
+    with Observer() as observed:
+        work = dist.reduce_scatter_single(torch.empty(2**18), torch.ones(world_size * 2**18),
+                                          op=dist.ReduceOp.AVG, async_op=True)
+        work.wait()
+        for _ in range(100):  # the observer's thread notes the time once it has the GIL
+            if observed.records[0].completed is not None:
+                break
+            time.sleep(0.01)
+    record = observed.records[0]
+    return record.launched, record.completed
+
+
+def test_the_completion_of_an_async_collective_without_a_future_is_recorded():
+    for launched, completed in run(futureless_worker, 2, show_output=False):
+        assert completed is not None and completed > launched
+
+
 def raising_worker(rank, world_size):
     original = dist.all_reduce
     try:

@@ -19,6 +19,7 @@ from torch import nn
 from helpers import WorkerError, reference, run
 from helpers.instrument import Observer
 from helpers.zero_and_fsdp import memory, plots, sharding, widgets, workers
+from helpers.zero_and_fsdp.bucketed_optimizer import BucketedShardedOptimizer
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
 # Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
@@ -357,21 +358,22 @@ def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_gradient_clipping_by_the_global_norm_matches_one_process(stage):
+@pytest.mark.parametrize("stage, bucket_mb", [(0, None), (1, None), (2, None), (3, None),
+                                               (1, 0.01), (2, 0.01)])
+def test_gradient_clipping_by_the_global_norm_matches_one_process(stage, bucket_mb):
     model, batches = float64_lm_and_batches()
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2,
                              max_grad_norm=0.3)
     unclipped = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
     out = run(workers.training_worker, 2, args=(stage, model, batches),
-              kwargs={"max_grad_norm": 0.3}, show_output=False)
+              kwargs={"max_grad_norm": 0.3, "bucket_mb": bucket_mb}, show_output=False)
     for name, param in single.parameters.items():
         torch.testing.assert_close(out[0][name], param, msg=labelled(name))
     assert any(not torch.allclose(unclipped.parameters[name], param)
                for name, param in single.parameters.items())  # the clipping did something
 
 
-def resume_worker(rank, world_size, gradient_sharding, directory):
+def resume_worker(rank, world_size, gradient_sharding, directory, bucket_mb):
     """3 steps, save this rank's optimizer state and the weights, build everything again,
     load, 2 more steps; against 5 steps without a break."""
     import os
@@ -386,8 +388,12 @@ def resume_worker(rank, world_size, gradient_sharding, directory):
             optimizer.step()
 
     def fresh(model):
-        return ShardedOptimizer(model.parameters(), torch.optim.AdamW,
-                                gradient_sharding=gradient_sharding, **workers.ADAMW)
+        if bucket_mb is None:
+            return ShardedOptimizer(model.parameters(), torch.optim.AdamW,
+                                    gradient_sharding=gradient_sharding, **workers.ADAMW)
+        return BucketedShardedOptimizer(model.parameters(), torch.optim.AdamW,
+                                        gradient_sharding=gradient_sharding,
+                                        bucket_mb=bucket_mb, **workers.ADAMW)
 
     straight = copy.deepcopy(model)
     steps(straight, fresh(straight), batches)
@@ -404,9 +410,12 @@ def resume_worker(rank, world_size, gradient_sharding, directory):
     return reference.parameters(straight), reference.parameters(resumed)
 
 
+@pytest.mark.parametrize("bucket_mb", [None, 0.01])
 @pytest.mark.parametrize("gradient_sharding", [False, True])
-def test_a_sharded_optimizer_saves_and_resumes_its_pieces_state(gradient_sharding, tmp_path):
-    out = run(resume_worker, 2, args=(gradient_sharding, str(tmp_path)), show_output=False)
+def test_a_sharded_optimizer_saves_and_resumes_its_pieces_state(gradient_sharding, bucket_mb,
+                                                                 tmp_path):
+    out = run(resume_worker, 2, show_output=False, kwargs=dict(
+        gradient_sharding=gradient_sharding, directory=str(tmp_path), bucket_mb=bucket_mb))
     for straight, resumed in out:
         for name, param in straight.items():
             torch.testing.assert_close(resumed[name], param, msg=labelled(name))
@@ -493,14 +502,19 @@ def test_the_fully_shard_recipe_trains_like_one_process():
         torch.testing.assert_close(out[0][name], param, msg=labelled(name))
 
 
-def test_stage_1_times_and_bytes_against_zero_redundancy_optimizer():
+def test_stage_1_and_2_times_and_bytes_against_zero_redundancy_optimizer():
     model, batches = lm_and_batches(tie_weights=False)
-    medians, held = run(workers.stage_1_times_worker, 2, args=(model, batches[0], 1),
+    medians, held = run(workers.stage_1_2_times_worker, 2, args=(model, batches[0], 1),
                         show_output=False)[0]
-    assert set(medians) == set(workers.STAGE_1_CONTENDERS)
+    assert set(medians) == set(workers.STAGE_1_2_CONTENDERS)
     parameters = sum(param.numel() for param in model.parameters())
-    hand = held["hand-built ZeRO-1"]
-    assert hand["weights"] == hand["gradients"] == 4 * parameters  # whole, on every rank
+    readable = held["readable ZeRO-1"]
+    assert readable["weights"] == readable["gradients"] == 4 * parameters  # whole, every rank
+    assert readable["optimizer"] == 8 * parameters // 2 + 4 * len(list(model.parameters()))
+    # bucketed, in buckets of 1 MiB (the whole model: one bucket, padded to an even size):
+    # Adam's two moments of this rank's half, and one step count
+    assert held["bucketed ZeRO-1"]["optimizer"] == 8 * math.ceil(parameters / 2) + 4
+    assert held["bucketed ZeRO-2"]["gradients"] == 4 * math.ceil(parameters / 2)
     # ZeroRedundancyOptimizer gives each rank whole parameters: about half the state, not half
     # of every tensor; both hold the whole weights and gradients
     torch_zero = held["ZeroRedundancyOptimizer"]

@@ -4,15 +4,12 @@ timelines with communication under compute, and the alpha-beta model against mea
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
 
 from helpers.data_parallelism.step_model import predict_step
-from helpers.drawing import COLORS, GREY
+from helpers.drawing import COLORS, GREY, plot_step_timelines
 
-# Compute lane: what the rank's own thread does. Communication lane: the all_reduces in flight.
-LANE_COLORS = {"forward": "#8FBF9F", "backward": "#55A868", "step": "#8172B3",
-               "naive all_reduces": GREY, "wait": GREY}
-ALL_REDUCE_COLORS = ("#4C72B0", "#7FA3D6")  # alternating, so that neighbouring buckets show
+__all__ = ["plot_step_timelines"]  # drawn here first; lesson 07 draws its steps the same way
+
 
 
 def plot_replica_spread(spreads: dict):
@@ -54,60 +51,6 @@ def plot_equality(differences: dict, tolerance: float):
         ax.text(value * 1.3, y, label, va="center", fontsize=8)
     ax.set_xlim(1e-10, 10)
     ax.set_xlabel("largest |parameter - single-process parameter| after training")
-    fig.tight_layout()
-    return fig
-
-
-def _draw_step(ax, per_rank: list, y0: float = 0.0):
-    """Two lanes per rank on `ax`: what the rank computes (or waits for), and its all_reduces.
-    An all_reduce's bar ends when it completes and starts at its launch or at the previous
-    completion, whichever is later: all_reduces launched together wait for each other, and the
-    bars do not hide one another. Returns the y tick positions and their labels."""
-    ticks, labels = [], []
-    for rank, events in enumerate(per_rank):
-        compute_y, comm_y = y0 + 2 * rank, y0 + 2 * rank + 0.8
-        finished = 0.0
-        for index, (_, launched, ended) in enumerate(sorted(
-                (e for e in events if e[0] == "all_reduce"), key=lambda e: e[2])):
-            start, finished = max(launched, finished), ended  # a bar per completion, no overlap
-            ax.barh(comm_y, (ended - start) * 1e3, left=start * 1e3, height=0.7,
-                    color=ALL_REDUCE_COLORS[index % 2], edgecolor="white", linewidth=0.5)
-        for label, start, end in events:
-            if label == "all_reduce":
-                continue
-            waiting = label in ("naive all_reduces", "wait")
-            ax.barh(compute_y, (end - start) * 1e3, left=start * 1e3, height=0.7,
-                    color=LANE_COLORS.get(label, GREY), hatch="///" if waiting else None,
-                    edgecolor="white", alpha=0.6 if waiting else 1)
-        ticks += [compute_y, comm_y]
-        who = f"rank {rank}" if len(per_rank) > 1 else "each rank"
-        labels += [f"{who} compute", f"{who} all_reduce"]
-    return ticks, labels
-
-
-def _legend(ax):
-    handles = [Patch(color=LANE_COLORS[name], label=name) for name in ("forward", "backward",
-                                                                         "step")]
-    handles += [Patch(facecolor=GREY, alpha=0.6, hatch="///", label="waiting for all_reduce"),
-                Patch(color=ALL_REDUCE_COLORS[0], label="all_reduce (a bar per completion)")]
-    ax.legend(handles=handles, fontsize=8, frameon=False, ncols=5, loc="lower left",
-              bbox_to_anchor=(0, 1.15))
-
-
-def plot_step_timelines(runs: dict, what: str = "measured"):
-    """One training step per strategy, {title: {"events": per-rank event lists,
-    "step_seconds": s}}: a compute lane and an all_reduce lane per rank, on a common time axis."""
-    lanes = 2 * max(len(run["events"]) for run in runs.values())
-    fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
-                             figsize=(9, 0.42 * lanes * len(runs) + 1.3))
-    for ax, (title, run) in zip(axes[:, 0], runs.items()):
-        ticks, labels = _draw_step(ax, run["events"])
-        ax.set_yticks(ticks, labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{title}: step {run['step_seconds'] * 1e3:.0f} ms ({what})", fontsize=10,
-                     loc="left")
-    _legend(axes[0, 0])
-    axes[-1, 0].set_xlabel("time since the step started (ms)")
     fig.tight_layout()
     return fig
 

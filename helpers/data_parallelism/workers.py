@@ -23,7 +23,7 @@ from helpers.cost_model import bandwidths
 from helpers.data_parallelism.ddp import DDP, average_gradients, bucket_indices
 from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 from helpers.instrument import Observer
-from helpers.timing import slowest_rank_seconds, take_turns, training_step
+from helpers.timing import slowest_rank_seconds, step_timeline, take_turns, training_step
 
 LOSSES = {"mean": reference.mse_loss,
           "sum": lambda outputs, targets: F.mse_loss(outputs, targets, reduction="sum")}
@@ -151,32 +151,10 @@ def timeline_worker(rank, world_size, strategy, bucket_mb, dim, num_layers, batc
     batch = reference.mlp_data(seed=1, batch_size=batch_size, dim=dim)[0].shard(rank, world_size)
     module, after_backward = wrap(model, strategy, bucket_mb)
     opt = reference.make_optimizer("sgd", model.parameters(), 1e-3)
+    # naive: every all_reduce, one after another; else: the wait for those backward launched
     finishing = "naive all_reduces" if strategy == "naive" else "wait"
-    measured = []
-    for _ in range(steps):
-        observed = Observer()
-
-        def step(observed=observed):
-            with observed:
-                opt.zero_grad()
-                with observed.span("forward"):
-                    loss = reference.mse_loss(module(batch.inputs), batch.targets)
-                with observed.span("backward"):
-                    loss.backward()  # the overlapped strategies launch their all_reduces here
-                with observed.span(finishing):
-                    after_backward()  # naive: every all_reduce, one after another; else: wait
-                with observed.span("step"):
-                    opt.step()
-
-        seconds = slowest_rank_seconds(step)
-        start = observed.spans[0].start
-        events = [(span.label, span.start - start, span.end - start) for span in observed.spans]
-        events += [("all_reduce", record.launched - start, record.completed - start)
-                   for record in observed.records
-                   if record.name == "all_reduce" and record.completed is not None]
-        measured.append({"events": events, "step_seconds": seconds})
-    later = sorted(measured[1:], key=lambda step: step["step_seconds"])
-    return later[len(later) // 2]
+    return step_timeline(module, opt, reference.mse_loss, batch.inputs, batch.targets,
+                         after_backward, finishing=finishing, steps=steps)
 
 
 def step_times_worker(rank, world_size, dim, layers, batch_size, bucket_mb, iterations):

@@ -121,15 +121,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This rank's optimizer state (its pieces'), and the layout it belongs to."""
         return {"inner": self.inner.state_dict(), "rank": dist.get_rank(self.group),
-                "world_size": dist.get_world_size(self.group)}
+                "world_size": dist.get_world_size(self.group),
+                "piece_sizes": [piece.numel() for piece in self.pieces.values()]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state saved by the same rank of a group of the same size."""
+        """Load a state saved by the same rank of a group of the same size, for the same
+        pieces."""
         layout = (dist.get_rank(self.group), dist.get_world_size(self.group))
         if (state_dict["rank"], state_dict["world_size"]) != layout:
             raise ValueError(f"this state belongs to rank {state_dict['rank']} of "
                              f"{state_dict['world_size']}, not to rank {layout[0]} of "
                              f"{layout[1]}")
+        if state_dict["piece_sizes"] != [piece.numel() for piece in self.pieces.values()]:
+            raise ValueError("this state's pieces have other sizes than this optimizer's: it "
+                             "was saved for another model, or another bucket size")
         self.inner.load_state_dict(state_dict["inner"])
 
     def zero_grad(self, set_to_none: bool = True):

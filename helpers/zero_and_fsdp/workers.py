@@ -1,7 +1,8 @@
 """Lesson 07's workers: the ZeRO stages by hand and PyTorch's, trained on the course's reference
 models and checked against single-process AdamW; the bytes each rank holds and sends; step times.
 
-Stage 0 is lesson 06's data parallelism (the naive loop), 1 and 2 `ShardedOptimizer`, 3 `FSDP`.
+Stage 0 is lesson 06's data parallelism (the naive loop), 1 and 2 `ShardedOptimizer` (or, given
+bucket_mb, `BucketedShardedOptimizer`), 3 `FSDP`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from torch import nn
 from helpers import reference
 from helpers.data_parallelism.ddp import average_gradients
 from helpers.instrument import Observer
-from helpers.timing import take_turns, training_step
+from helpers.timing import step_timeline, take_turns, training_step
+from helpers.zero_and_fsdp.bucketed_optimizer import BucketedShardedOptimizer
 from helpers.zero_and_fsdp.fsdp import FSDP
 from helpers.zero_and_fsdp.memory import held_bytes
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
@@ -29,10 +31,12 @@ TORCH_KINDS = ("ZeroRedundancyOptimizer", "fully_shard")
 
 class Trainer:
     """One rank's model and optimizer for a ZeRO `stage`, with the one call that differs between
-    stages (`after_backward`) and the full parameters at the end (`full_parameters`)."""
+    stages (`after_backward`) and the full parameters at the end (`full_parameters`). Stages 1
+    and 2 use the readable ShardedOptimizer, or given `bucket_mb` the BucketedShardedOptimizer
+    with buckets of that many MiB."""
 
     def __init__(self, model: nn.Module, stage: int, compute_dtype=None, optimizer="adamw",
-                 lr=1e-2, units=None, max_grad_norm=None):
+                 lr=1e-2, units=None, max_grad_norm=None, bucket_mb=None):
         self.stage, self.max_grad_norm = stage, max_grad_norm
         optimizer_cls, settings = reference.OPTIMIZERS[optimizer]
         if stage == 3:  # units: the name of the model's list of blocks, to shard one piece each
@@ -43,10 +47,14 @@ class Trainer:
             self.module = model
             if stage == 0:
                 self.optimizer = optimizer_cls(model.parameters(), lr=lr, **settings)
-            else:
+            elif bucket_mb is None:
                 self.optimizer = ShardedOptimizer(model.parameters(), optimizer_cls,
                                                   gradient_sharding=stage == 2, lr=lr,
                                                   max_grad_norm=max_grad_norm, **settings)
+            else:
+                self.optimizer = BucketedShardedOptimizer(
+                    model.parameters(), optimizer_cls, gradient_sharding=stage == 2,
+                    bucket_mb=bucket_mb, lr=lr, max_grad_norm=max_grad_norm, **settings)
 
     def after_backward(self):
         if self.stage == 0:
@@ -57,8 +65,10 @@ class Trainer:
             self.module.finish_gradient_synchronization()
             if self.max_grad_norm is not None:
                 self.module.clip_grad_norm_(self.max_grad_norm)
-        # stages 1 and 2: the ShardedOptimizer communicates (and clips) in step(), and stage 2
-        # also in backward
+        elif isinstance(self.optimizer, BucketedShardedOptimizer):
+            self.optimizer.finish_gradient_synchronization()  # (step() would, if we did not)
+        # the readable ShardedOptimizer communicates (and clips) in step(), and stage 2 also in
+        # backward
 
     def full_parameters(self) -> dict:
         if self.stage == 3:
@@ -67,12 +77,12 @@ class Trainer:
 
 
 def training_worker(rank, world_size, stage, model, batches, loss="lm", compute_dtype=None,
-                    optimizer="adamw", lr=1e-2, units=None, max_grad_norm=None):
+                    optimizer="adamw", lr=1e-2, units=None, max_grad_norm=None, bucket_mb=None):
     """Train a copy of `model` with ZeRO `stage` on this rank's slice of every batch. Returns the
     full parameters after the last step."""
     loss_fn = reference.lm_loss if loss == "lm" else reference.mse_loss
     trainer = Trainer(copy.deepcopy(model), stage, compute_dtype, optimizer, lr, units,
-                      max_grad_norm)
+                      max_grad_norm, bucket_mb)
     for batch in batches:
         local = batch.shard(rank, world_size)
         trainer.optimizer.zero_grad()
@@ -82,10 +92,11 @@ def training_worker(rank, world_size, stage, model, batches, loss="lm", compute_
     return trainer.full_parameters()
 
 
-def param_groups_worker(rank, world_size, gradient_sharding):
-    """ShardedOptimizer with two param groups (different lr and weight decay) and a frozen
-    weight, against torch.optim.AdamW with the same groups on one process (the whole batch).
-    Returns both models' parameters and whether the frozen weight stayed as it was."""
+def param_groups_worker(rank, world_size, gradient_sharding, bucket_mb=None):
+    """ShardedOptimizer (or, given bucket_mb, BucketedShardedOptimizer) with two param groups
+    (different lr and weight decay) and a frozen weight, against torch.optim.AdamW with the same
+    groups on one process (the whole batch). Returns both models' parameters and whether the
+    frozen weight stayed as it was."""
     # float64: AdamW would amplify float32 rounding into a visible difference (helpers.tolerance)
     model, batches = reference.in_float64(
         reference.make_mlp(dim=8, num_layers=3, seed=2, bias=True),
@@ -98,8 +109,13 @@ def param_groups_worker(rank, world_size, gradient_sharding):
                 {"params": [p for p in m.layers[1:].parameters() if p.requires_grad],
                  "weight_decay": 0.1}]
 
-    sharded = ShardedOptimizer(groups(model), torch.optim.AdamW,
-                               gradient_sharding=gradient_sharding, lr=1e-2, weight_decay=0.0)
+    if bucket_mb is None:
+        sharded = ShardedOptimizer(groups(model), torch.optim.AdamW,
+                                   gradient_sharding=gradient_sharding, lr=1e-2, weight_decay=0.0)
+    else:
+        sharded = BucketedShardedOptimizer(groups(model), torch.optim.AdamW,
+                                           gradient_sharding=gradient_sharding,
+                                           bucket_mb=bucket_mb, lr=1e-2, weight_decay=0.0)
     reference_optimizer = torch.optim.AdamW(groups(alone), lr=1e-2, weight_decay=0.0)
     frozen = model.layers[1].weight.detach().clone()
     for batch in batches:
@@ -114,13 +130,13 @@ def param_groups_worker(rank, world_size, gradient_sharding):
             "frozen unchanged": torch.equal(model.layers[1].weight, frozen)}
 
 
-def memory_worker(rank, world_size, stage, model, batches, loss="lm"):
-    """Two training steps with ZeRO `stage`. At the end of the second backward (the gradients
-    complete, the optimizer state allocated), the bytes this rank holds (memory.held_bytes);
-    the bytes it sent during that step, by collective; and, stage 3, the most bytes of gathered
-    weights alive at once."""
+def memory_worker(rank, world_size, stage, model, batches, loss="lm", bucket_mb=None):
+    """Two training steps with ZeRO `stage` (stages 1 and 2 bucketed, given bucket_mb). At the
+    end of the second backward (the gradients complete, the optimizer state allocated), the
+    bytes this rank holds (memory.held_bytes); the bytes it sent during that step, by
+    collective; and, stage 3, the most bytes of gathered weights alive at once."""
     loss_fn = reference.lm_loss if loss == "lm" else reference.mse_loss
-    trainer = Trainer(copy.deepcopy(model), stage)
+    trainer = Trainer(copy.deepcopy(model), stage, bucket_mb=bucket_mb)
     for step, batch in enumerate(batches[:2]):
         local = batch.shard(rank, world_size)
         trainer.optimizer.zero_grad()
@@ -215,19 +231,41 @@ def torch_training_worker(rank, world_size, kind, model, batches):
             for name, param in model.named_parameters()}
 
 
-STAGE_1_CONTENDERS = ("hand-built ZeRO-1", "ZeroRedundancyOptimizer")
+# The hand-built ZeRO-1 and ZeRO-2 that the benchmark times: (stage, bucketed)
+SHARDED_OPTIMIZERS = {"readable ZeRO-1": (1, False), "bucketed ZeRO-1": (1, True),
+                      "bucketed ZeRO-2": (2, True)}
+STAGE_1_2_CONTENDERS = (*SHARDED_OPTIMIZERS, "ZeroRedundancyOptimizer")
 
 
-def stage_1_times_worker(rank, world_size, model, batch, iterations):
-    """The hand-built ZeRO-1 (ShardedOptimizer) and DDP with ZeroRedundancyOptimizer, each on its
-    own copy of `model`, taking turns as in step_times_worker. Returns the median step time of
-    each (s) and the bytes each holds."""
+def stage_1_2_times_worker(rank, world_size, model, batch, iterations, bucket_mb=1.0):
+    """The hand-built ZeRO-1 and ZeRO-2 (ShardedOptimizer, and BucketedShardedOptimizer with
+    buckets of `bucket_mb` MiB) and DDP with ZeroRedundancyOptimizer, each on its own copy of
+    `model`, taking turns as in step_times_worker. Returns the median step time of each (s) and
+    the bytes each holds."""
     local = batch.shard(rank, world_size)
-    hand = Trainer(copy.deepcopy(model), 1)
-    contenders = {"hand-built ZeRO-1": (hand.module, hand.optimizer, None),
-                  "ZeroRedundancyOptimizer": (
-                      *torch_model("ZeroRedundancyOptimizer", copy.deepcopy(model)), None)}
+    contenders = {}
+    for name, (stage, bucketed) in SHARDED_OPTIMIZERS.items():
+        hand = Trainer(copy.deepcopy(model), stage, bucket_mb=bucket_mb if bucketed else None)
+        contenders[name] = (hand.module, hand.optimizer, hand.after_backward)
+    contenders["ZeroRedundancyOptimizer"] = (
+        *torch_model("ZeroRedundancyOptimizer", copy.deepcopy(model)), None)
     return _take_turns(contenders, local, iterations)
+
+
+def zero_1_timeline_worker(rank, world_size, model, batch, bucket_mb, steps=5):
+    """Training steps of the readable and the bucketed ZeRO-1, each on its own copy of `model`,
+    observed (helpers.timing.step_timeline): the forward, the backward, the wait for the
+    reduce-scatters (bucketed), the optimizer's step, and every reduce-scatter and all-gather
+    from its launch to its end. Returns, for each, the step of median time."""
+    local = batch.shard(rank, world_size)
+    timelines = {}
+    for name, buckets in (("readable ZeRO-1", None), ("bucketed ZeRO-1", bucket_mb)):
+        trainer = Trainer(copy.deepcopy(model), 1, bucket_mb=buckets)
+        timelines[name] = step_timeline(
+            trainer.module, trainer.optimizer, reference.lm_loss, local.inputs, local.targets,
+            after_backward=None if buckets is None else trainer.after_backward,
+            collectives=("reduce_scatter", "all_gather"), steps=steps)
+    return timelines
 
 
 CONTENDERS = ("hand-built per layer", "fully_shard per layer", "hand-built per block",
