@@ -51,7 +51,7 @@ def stages_1_and_2(model, batch, options):
     bucketed = STAGE_1_2_CONTENDERS[1:3]
     print(f"{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>27}" for name in STAGE_1_2_CONTENDERS)
           + " | " + " ".join(f"{name.split()[1] + ' / torch':>14}" for name in bucketed)
-          + " | optimizer state bytes per rank (bucketed / torch)")
+          + " | optimizer state bytes on rank 0 (bucketed / torch)")
     for world_size in options.world_sizes:
         for _ in range(options.repeats):
             medians, held = run(stage_1_2_times_worker, world_size, show_output=False,

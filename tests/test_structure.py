@@ -140,9 +140,10 @@ def shown_code(path: pathlib.Path) -> dict:
     cells = ["".join(cell["source"]) for cell in json.loads(path.read_text())["cells"]
              if cell["cell_type"] == "code"]
     namespace = {}
-    for line in "\n".join(cells).splitlines():
-        if line.startswith(("import ", "from ")):
-            exec(line, namespace)
+    for cell in cells:
+        for node in ast.parse(cell).body:  # top-level imports, on one line or several
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                exec(ast.unparse(node), namespace)
     shown = re.findall(r"show_code\(([\w.]+)\)", "\n".join(cells))
     return {name: inspect.getsource(eval(name, namespace)) for name in shown}
 

@@ -1,12 +1,13 @@
 """Lesson 07's pictures: bytes per parameter, measured bytes per rank against the ZeRO formulas,
-bytes sent per step, and the memory calculator."""
+bytes sent per step, the readable and the bucketed ZeRO-1 on a step's timeline, and the memory
+calculator."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from helpers.drawing import COLORS
+from helpers.drawing import COLORS, plot_step_timelines
 from helpers.zero_and_fsdp.memory import BYTES_PER_PARAMETER, PARTS, bytes_per_rank
 
 PART_COLORS = {"weights": COLORS[0], "gradients": COLORS[1], "optimizer": COLORS[2]}
@@ -20,6 +21,14 @@ def _stacked(ax, x, parts: dict, width, scale, label_parts=False):
                label=part if label_parts else None, edgecolor="white", linewidth=0.5)
         bottom += parts[part]
     return bottom
+
+
+def plot_zero_1_steps(timelines: list):
+    """One measured step of each ZeRO-1 (workers.zero_1_timeline_worker's result, one per
+    rank): compute against reduce-scatters and all-gathers."""
+    runs = {name: {"events": [rank[name]["events"] for rank in timelines],
+                   "step_seconds": timelines[0][name]["step_seconds"]} for name in timelines[0]}
+    return plot_step_timelines(runs, collectives=("reduce_scatter", "all_gather"))
 
 
 def plot_memory(measured: dict, num_parameters: int, precision: str = "float32",

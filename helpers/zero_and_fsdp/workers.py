@@ -237,19 +237,39 @@ SHARDED_OPTIMIZERS = {"readable ZeRO-1": (1, False), "bucketed ZeRO-1": (1, True
 STAGE_1_2_CONTENDERS = (*SHARDED_OPTIMIZERS, "ZeroRedundancyOptimizer")
 
 
-def stage_1_2_times_worker(rank, world_size, model, batch, iterations, bucket_mb=1.0):
-    """The hand-built ZeRO-1 and ZeRO-2 (ShardedOptimizer, and BucketedShardedOptimizer with
-    buckets of `bucket_mb` MiB) and DDP with ZeroRedundancyOptimizer, each on its own copy of
-    `model`, taking turns as in step_times_worker. Returns the median step time of each (s) and
-    the bytes each holds."""
-    local = batch.shard(rank, world_size)
+def stage_1_2_contenders(model, bucket_mb) -> dict:
+    """{name: (module, optimizer, after_backward)} of STAGE_1_2_CONTENDERS, each on its own copy
+    of `model`; the BucketedShardedOptimizers with buckets of `bucket_mb` MiB."""
     contenders = {}
     for name, (stage, bucketed) in SHARDED_OPTIMIZERS.items():
         hand = Trainer(copy.deepcopy(model), stage, bucket_mb=bucket_mb if bucketed else None)
         contenders[name] = (hand.module, hand.optimizer, hand.after_backward)
     contenders["ZeroRedundancyOptimizer"] = (
         *torch_model("ZeroRedundancyOptimizer", copy.deepcopy(model)), None)
-    return _take_turns(contenders, local, iterations)
+    return contenders
+
+
+def stage_1_2_times_worker(rank, world_size, model, batch, iterations, bucket_mb=1.0):
+    """The hand-built ZeRO-1 and ZeRO-2 (ShardedOptimizer, and BucketedShardedOptimizer with
+    buckets of `bucket_mb` MiB) and DDP with ZeroRedundancyOptimizer, each on its own copy of
+    `model`, taking turns as in step_times_worker. Returns the median step time of each (s) and
+    the bytes each holds."""
+    local = batch.shard(rank, world_size)
+    return _take_turns(stage_1_2_contenders(model, bucket_mb), local, iterations)
+
+
+def stage_1_2_calls_worker(rank, world_size, model, batch, bucket_mb=1.0):
+    """One training step of each of STAGE_1_2_CONTENDERS, observed: {name: {collective: calls}}.
+    DDP's all-reduces are issued by its C++ reducer, which the observer does not see."""
+    local = batch.shard(rank, world_size)
+    calls = {}
+    for name, (module, optimizer, after_backward) in stage_1_2_contenders(model,
+                                                                          bucket_mb).items():
+        with Observer() as observed:
+            training_step(module, optimizer, reference.lm_loss, local.inputs, local.targets,
+                          after_backward)
+        calls[name] = observed.calls()
+    return calls
 
 
 def zero_1_timeline_worker(rank, world_size, model, batch, bucket_mb, steps=5):
