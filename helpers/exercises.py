@@ -39,6 +39,7 @@ class Exercise:
     timeout: float = 10
     rules: tuple = ()  # helpers.rules.Rule: what the task forbids or requires, checked in the ranks
     names: tuple = ()  # for a tuple result, what each element is: ("the mean", "the variance")
+    hint: str = ""  # shown under a wrong value: a question that points at the usual mistake
     lesson: str = ""  # the lesson's package, e.g. "helpers.collectives" (filled in by `exercises`)
 
     def worker(self, function, log_dir: str):
@@ -187,7 +188,8 @@ def _check_ranks(exercise, function, world_size, args, log_dir):
     for rank, got in enumerate(out):
         problem = _compare(got, exercise.expected(rank, world_size, *args), exercise.names)
         if problem:
-            return [f"{on}, rank {rank}: {problem}"]
+            return [f"{on}, rank {rank}: {problem}", *([f"Hint: {exercise.hint}"]
+                                                        if exercise.hint else [])]
     return None
 
 

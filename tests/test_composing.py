@@ -253,7 +253,10 @@ def dp_tp_step_over_the_world(rank, world_size, w1, w2, x, y, tp):
     ("mesh_groups", groups_of_my_own_only, "every rank must create every group"),
     ("mesh_groups", groups_with_the_first_dimension_fastest,
      "On 8 ranks, rank 0: expected [[0, 4], [0, 2], [0, 1]], got [[0, 1], [0, 2], [0, 4]]"),
-    ("dp_tp_step", dp_tp_step_without_the_tp_sum, "the gradient of your W1 rows"),
+    ("dp_tp_step", dp_tp_step_without_the_tp_sum, "the gradient of your W1 rows: elements 0 to "
+                                                   "71 of 72 differ"),
+    ("dp_tp_step", dp_tp_step_without_the_tp_sum, "Hint: which of your results is only your "
+                                                   "share of a sum"),
     ("dp_tp_step", dp_tp_step_with_local_means_summed, "Your result is 2 times the expected one"),
     ("dp_tp_step", dp_tp_step_over_the_world,
      "the task says: reduce only within your dp group or your tp group"),

@@ -70,6 +70,8 @@ EXERCISES["dp_tp_step"] = Exercise(
     _dp_tp_expected,
     inputs=_dp_tp_inputs,
     names=("the gradient of your W1 rows", "the gradient of your W2 columns"),
+    hint="which of your results is only your share of a sum, and over which group (tp or dp) "
+         "must it be summed, in the forward or in the backward?",
     rules=(Only("all_reduce", text="communicate only with all_reduce"),
            OffTheWorld("all_reduce", text="reduce only within your dp group or your tp group"),
            SameGroups()))
