@@ -108,10 +108,12 @@ def draw_step(ax, per_rank: list, collectives: tuple) -> tuple:
     return ticks, labels
 
 
-def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_reduce",)):
+def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_reduce",),
+                        waiting_for: str | None = None):
     """One training step per strategy, {title: {"events": per-rank lists of (label, start_s,
     end_s), "step_seconds": s}}: a compute lane and a lane of `collectives` per rank, on a common
-    time axis."""
+    time axis. `waiting_for` names, in the legend, what the hatched spans wait for (by default,
+    the collectives)."""
     lanes = 2 * max(len(run["events"]) for run in runs.values())
     fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
                              figsize=(9, 0.42 * lanes * len(runs) + 1.3))
@@ -123,7 +125,7 @@ def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_re
                      loc="left")
     handles = [Patch(color=LANE_COLORS[name], label=name) for name in LANE_COLORS]
     handles += [Patch(facecolor=GREY, alpha=0.6, hatch="///",
-                      label=f"waiting for {' / '.join(collectives)}")]
+                      label=f"waiting for {waiting_for or ' / '.join(collectives)}")]
     handles += [Patch(color=COLLECTIVE_COLORS[name][0], label=f"{name} (a bar per completion)")
                 for name in collectives]
     rows = 1 if len(handles) <= 5 else 2

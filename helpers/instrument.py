@@ -63,7 +63,7 @@ class Record:
     ring, by the cost model's table; an all-to-all's exactly, its own rows left out).
     `completed`: perf_counter seconds when it ended, for async_op=True when its Work finished
     (its future's callback, or, for a Work without one, as gloo's reduce-scatter, a thread that
-    waits for it; None for point-to-point calls)."""
+    waits for it, ObservedWork; None for point-to-point calls)."""
     name: str
     detail: object
     numel: int | None
@@ -183,17 +183,21 @@ class Observer:
 
     def _on_completion(self, work, record):
         """Set record.completed when `work` ends: from its future's callback, or, for a Work
-        without a future, from a thread that waits for it."""
+        without a future, from a thread that waits for it; then the caller gets an ObservedWork
+        in its place. Returns what the caller gets."""
         def done(_):
             record.completed = time.perf_counter()
         try:
             work.get_future().then(done)
+            return work
         except RuntimeError:  # this backend's Work has no future (gloo's reduce-scatter)
+            observed = ObservedWork(work)
             with self._lock:
-                self._unfinished.append((work, record))
+                self._unfinished.append((observed, record))
                 if not self._waiting:
                     self._waiting = True
                     threading.Thread(target=self._wait_for_each, daemon=True).start()
+            return observed
 
     def _wait_for_each(self):
         """In a thread of its own: wait for each future-less Work in turn, noting when it ended
@@ -203,10 +207,11 @@ class Observer:
                 if not self._unfinished:
                     self._waiting = False
                     return
-                work, record = self._unfinished.pop(0)
+                observed, record = self._unfinished.pop(0)
             with contextlib.suppress(Exception):  # an error reaches the caller's own wait()
-                work.wait()
+                observed.work.wait()
             record.completed = time.perf_counter()
+            observed.noted.set()
 
     def _wrap(self, name, original):
         signature = inspect.signature(original)
@@ -226,13 +231,33 @@ class Observer:
             finally:
                 self._depth.value = 0
             if arguments.get("async_op") and result is not None:
-                self._on_completion(result, record)
+                result = self._on_completion(result, record)
             elif name not in ("isend", "irecv", "batch_isend_irecv"):
                 record.completed = time.perf_counter()
             return result
 
         observed.__name__ = observed.__qualname__ = name
         return observed
+
+
+class ObservedWork:
+    """What an Observer hands back for a Work that has no future: the Work itself, wrapped so
+    that the caller's wait() returns only after the Observer's own thread has waited for it.
+    gloo's reduce-scatter copies its result into the output at every wait(): the Observer's wait
+    must not come after the caller's, which may already have changed the output."""
+
+    def __init__(self, work):
+        self.work, self.noted = work, threading.Event()
+
+    def wait(self, *args, **kwargs):
+        self.noted.wait()
+        return self.work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self.noted.is_set()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 def _size(value) -> int:

@@ -64,22 +64,24 @@ def test_point_to_point_bytes_peers_async_completion_and_the_callers_own_referen
 
 
 def futureless_worker(rank, world_size):
-    """gloo's reduce-scatter returns a Work without a future: its completion is still seen."""
+    """gloo's reduce-scatter returns a Work without a future, which copies its result into the
+    output at every wait(): its completion is still seen, and the observer's own wait never
+    overwrites what the caller did with the output after its wait."""
+    received = torch.empty(2**18)
     with Observer() as observed:
-        work = dist.reduce_scatter_single(torch.empty(2**18), torch.ones(world_size * 2**18),
+        work = dist.reduce_scatter_single(received, torch.ones(world_size * 2**18),
                                           op=dist.ReduceOp.AVG, async_op=True)
-        work.wait()
-        for _ in range(100):  # the observer's thread notes the time once it has the GIL
-            if observed.records[0].completed is not None:
-                break
-            time.sleep(0.01)
-    record = observed.records[0]
-    return record.launched, record.completed
+        work.wait()  # returns after the observer's own wait, which noted the end
+        completed = observed.records[0].completed
+        received += 10  # the caller's use of its result
+        time.sleep(0.05)
+    return observed.records[0].launched, completed, received.unique().tolist()
 
 
 def test_the_completion_of_an_async_collective_without_a_future_is_recorded():
-    for launched, completed in run(futureless_worker, 2, show_output=False):
+    for launched, completed, values in run(futureless_worker, 2, show_output=False):
         assert completed is not None and completed > launched
+        assert values == [11.0]
 
 
 def raising_worker(rank, world_size):

@@ -68,34 +68,21 @@ def test_bucketed_zero_keeps_param_groups_and_leaves_frozen_weights(gradient_sha
             torch.testing.assert_close(result["sharded"][name], param, msg=labelled(name))
 
 
-def accumulation_worker(rank, world_size, model, batches, gradient_sharding, micro_batches):
-    """Each step: `micro_batches` backward passes on parts of this rank's slice, each loss
-    scaled by 1/micro_batches, with no zero_grad between them; then one optimizer step."""
-    model = copy.deepcopy(model)
-    optimizer = BucketedShardedOptimizer(model.parameters(), torch.optim.AdamW,
-                                         gradient_sharding=gradient_sharding,
-                                         bucket_mb=TINY_BUCKETS, lr=1e-2, weight_decay=0.01)
-    for batch in batches:
-        local = batch.shard(rank, world_size)
-        optimizer.zero_grad()
-        for part in range(micro_batches):
-            micro = local.shard(part, micro_batches)
-            (reference.lm_loss(model(micro.inputs), micro.targets) / micro_batches).backward()
-        optimizer.step()
-    return reference.parameters(model)
-
-
-@pytest.mark.parametrize("gradient_sharding", [False, True])
-def test_gradient_accumulation_equals_one_process_on_the_whole_batch(gradient_sharding):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_accumulation_equals_one_process_on_the_whole_batch(stage):
     """Stage 1's buffers sum the micro-batches' gradients, and each reduce-scatter replaces the
-    piece's gradient; stage 2 adds each reduce-scatter to it. Either way: the whole batch."""
+    piece's gradient; stage 2 adds each reduce-scatter to it. Either way: the whole batch, and
+    one reduce-scatter per bucket per micro-batch."""
     model, batches = float64_lm_and_batches()
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
-    out = run(accumulation_worker, 2, show_output=False, kwargs=dict(
-        model=model, batches=batches, gradient_sharding=gradient_sharding, micro_batches=2))
-    for parameters in out:
+    out = run(workers.accumulation_worker, 2, show_output=False, kwargs=dict(
+        stage=stage, model=model, batches=batches, micro_batches=2, bucket_mb=TINY_BUCKETS))
+    for result in out:
         for name, param in single.parameters.items():
-            torch.testing.assert_close(parameters[name], param, msg=labelled(name))
+            torch.testing.assert_close(result["parameters"][name], param, msg=labelled(name))
+        buckets = result["calls"]["all_gather_single"]
+        assert buckets > 2
+        assert result["calls"]["reduce_scatter_single"] == 2 * buckets
 
 
 MLP_DIM, MLP_LAYERS = 64, 4

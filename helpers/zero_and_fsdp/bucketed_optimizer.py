@@ -4,8 +4,10 @@
 
 The readable `ShardedOptimizer` sends two collectives per parameter, one after the other, and
 stage 1 only after backward has ended; each pays gloo's latency (lesson 04). This one does what
-DeepSpeed's ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py) and Megatron-LM's distributed
-optimizer do, with the buckets of lesson 06's DDP:
+Megatron-LM's distributed optimizer does with overlap_grad_reduce
+(megatron/core/distributed/param_and_grad_buffer.py), with the buckets of lesson 06's DDP
+(DeepSpeed's ZeRO-1/2, deepspeed/runtime/zero/stage_1_and_2.py, likewise reduces gradient
+buckets during backward, but shards each param group's whole flat buffer):
 
   construction  the trainable parameters of each param group, in reverse order (a guess at the
                 order backward produces their gradients, as lesson 06's DDP guesses), are laid
@@ -21,10 +23,10 @@ optimizer do, with the buckets of lesson 06's DDP:
                 pieces; one all_gather per bucket brings every rank's updated pieces back into
                 the flat buffers, and so into the parameters, which are views of them
   stages        stage 1 keeps the full gradient buffers (each .grad is a view of one, as torch
-                DDP's gradient_as_bucket_view makes it); stage 2 (gradient_sharding=True) frees
-                each buffer once its reduce-scatter has ended, and lets no more than IN_FLIGHT
-                buffers wait for theirs (a bucket's launch waits for the oldest beyond that).
-                That is the whole difference.
+                DDP's gradient_as_bucket_view makes it); stage 2 (gradient_sharding=True) hands
+                each buffer to its reduce-scatter and frees it once that has been waited for,
+                with no more than IN_FLIGHT waiting at once (a bucket's launch waits for the
+                oldest beyond that): at most IN_FLIGHT + 1 full buffers, with the one filling.
 
 With several backward passes before a step (gradient accumulation), stage 1's buffers hold the
 sum and each reduce-scatter replaces the piece's gradient; stage 2 adds each reduce-scatter to
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,16 @@ from torch import nn
 
 from helpers.data_parallelism.ddp import bucket_indices
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
+
+
+class InFlight(NamedTuple):
+    """A bucket's reduce-scatter while it runs: the Work, the bucket, the tensor that receives
+    this rank's averaged piece, and the full gradient buffer it reads (held here, so that stage
+    2, which lets the bucket drop it, frees it only once the reduce-scatter has been waited for)."""
+    work: dist.Work
+    bucket: "ShardedBucket"
+    received: torch.Tensor
+    gradients: torch.Tensor
 
 
 class ShardedBucket:
@@ -107,7 +120,7 @@ class BucketedShardedOptimizer(ShardedOptimizer):
         self.pieces = {bucket: bucket.piece for bucket in self.buckets}
         self.inner = optimizer_cls(inner_groups)
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
-        self.pending = []  # (work, bucket, received, sent) of every reduce-scatter in flight
+        self.pending = []  # an InFlight for every reduce-scatter not yet waited for
         for param in self.bucket_of:
             param.register_hook(functools.partial(self.gradient_arriving, param))
             param.register_post_accumulate_grad_hook(self.gradient_ready)
@@ -149,10 +162,10 @@ class BucketedShardedOptimizer(ShardedOptimizer):
             work = dist.reduce_scatter_single(received, bucket.gradients,
                                               op=dist.ReduceOp.AVG, group=self.group,
                                               async_op=True)
-            self.pending.append((work, bucket, received, bucket.gradients))
-            if self.gradient_sharding:  # stage 2: the buffer lives until its reduce-scatter ends
-                bucket.gradients = None
-                self.collect(keep=self.IN_FLIGHT)  # and no more than IN_FLIGHT buffers at once
+            self.pending.append(InFlight(work, bucket, received, bucket.gradients))
+            if self.gradient_sharding:  # stage 2: the buffer is now the reduce-scatter's alone,
+                bucket.gradients = None  # and no more than IN_FLIGHT of them wait at once
+                self.collect(keep=self.IN_FLIGHT)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every reduce-scatter that backward started, and give each piece its
@@ -174,11 +187,12 @@ class BucketedShardedOptimizer(ShardedOptimizer):
         are: each piece gets its averaged gradient, and stage 2's full gradient buffer, no
         longer referenced, is freed."""
         while len(self.pending) > keep:
-            work, bucket, received, _ = self.pending.pop(0)  # (stage 2: the buffer's last use)
-            work.wait()
-            if self.gradient_sharding and bucket.piece.grad is not None:
-                received += bucket.piece.grad  # stage 2 accumulates this backward's part
-            bucket.piece.grad = received  # stage 1's buffer held the sum: replace
+            flight = self.pending.pop(0)  # (stage 2: its buffer goes when `flight` does)
+            flight.work.wait()
+            piece, received = flight.bucket.piece, flight.received
+            if self.gradient_sharding and piece.grad is not None:
+                received += piece.grad  # stage 2 accumulates this backward's part
+            piece.grad = received  # stage 1's buffer held the sum: replace
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -28,7 +28,8 @@ def plot_zero_1_steps(timelines: list):
     rank): compute against reduce-scatters and all-gathers."""
     runs = {name: {"events": [rank[name]["events"] for rank in timelines],
                    "step_seconds": timelines[0][name]["step_seconds"]} for name in timelines[0]}
-    return plot_step_timelines(runs, collectives=("reduce_scatter", "all_gather"))
+    return plot_step_timelines(runs, collectives=("reduce_scatter", "all_gather"),
+                               waiting_for="reduce_scatter")
 
 
 def plot_memory(measured: dict, num_parameters: int, precision: str = "float32",

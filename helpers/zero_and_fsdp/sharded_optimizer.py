@@ -6,8 +6,9 @@ Every rank holds the whole model and computes the gradients of its own slice of 
 data parallelism. What changes is who updates what. Each trainable parameter is cut into n flat
 pieces (sharding.shard_of); rank r owns piece r of every parameter, and keeps the optimizer state
 (Adam's two moments) of its pieces only: 1/n of the state. (The ZeRO paper and DeepSpeed cut the
-concatenation of all parameters into n ranges instead, which allows bucketing; PyTorch's
-ZeroRedundancyOptimizer gives each rank whole parameters.) Cutting a parameter anywhere is right
+concatenation of a group's parameters into n ranges instead, and bucketed_optimizer cuts each
+bucket, as Megatron-LM does; PyTorch's ZeroRedundancyOptimizer gives each rank whole
+parameters.) Cutting a parameter anywhere is right
 for element-wise optimizers (SGD, Adam, AdamW), whose update of an element depends on that
 element alone; optimizers that look at a whole tensor (LAMB's trust ratio, Adafactor's factored
 moments) need whole parameters.

@@ -130,6 +130,27 @@ def param_groups_worker(rank, world_size, gradient_sharding, bucket_mb=None):
             "frozen unchanged": torch.equal(model.layers[1].weight, frozen)}
 
 
+def accumulation_worker(rank, world_size, stage, model, batches, micro_batches, bucket_mb):
+    """ZeRO `stage` (1 or 2) with BucketedShardedOptimizer: each step `micro_batches` backward
+    passes on parts of this rank's slice, each loss divided by micro_batches, with no zero_grad
+    between them; then one optimizer step. Returns the parameters after the last step and the
+    collectives of the last step."""
+    model = copy.deepcopy(model)
+    optimizer = BucketedShardedOptimizer(model.parameters(), torch.optim.AdamW,
+                                         gradient_sharding=stage == 2, bucket_mb=bucket_mb,
+                                         **ADAMW)
+    for batch in batches:
+        local = batch.shard(rank, world_size)
+        optimizer.zero_grad()
+        with Observer() as observed:
+            for part in range(micro_batches):
+                micro = local.shard(part, micro_batches)
+                loss = reference.lm_loss(model(micro.inputs), micro.targets) / micro_batches
+                loss.backward()
+            optimizer.step()
+    return {"parameters": reference.parameters(model), "calls": observed.calls()}
+
+
 def memory_worker(rank, world_size, stage, model, batches, loss="lm", bucket_mb=None):
     """Two training steps with ZeRO `stage` (stages 1 and 2 bucketed, given bucket_mb). At the
     end of the second backward (the gradients complete, the optimizer state allocated), the
