@@ -2,8 +2,9 @@
 
 The bandwidth-optimal ring (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for
 clusters of workstations", 2009), and a binary tree (and NCCL's double binary tree, Sanders,
-Speck & Träff 2009). The ring records a trace for the notebook's stepper; the bytes each sends
-are counted from outside (helpers.instrument.Observer), against the formulas. The ring here is
+Speck & Träff 2009). The ring's step is a function of its own, so that the notebook's stepper
+can look at the tensor after each; the bytes each sends are counted from outside
+(helpers.instrument.Observer), against the formulas. The ring here is
 the plain one, to read; `pipelined_ring` beside this file is the fast one, for benchmarks/ring.py.
 """
 
@@ -13,25 +14,30 @@ import torch
 import torch.distributed as dist
 
 
-def ring_all_reduce(tensor, trace=None) -> None:
-    """Sum `tensor` across all ranks, in place, with a ring.
-    Steps 0 .. n-2 reduce-scatter (add what arrives), steps n-1 .. 2n-3 all-gather (copy it).
-    If `trace` is a list, (step, chunk sent, copy of the tensor) is appended after each step."""
-    rank, n = dist.get_rank(), dist.get_world_size()
+def ring_all_reduce(tensor) -> None:
+    """Sum `tensor` across all ranks, in place, with a ring: 2(n-1) steps on n chunks."""
+    n = dist.get_world_size()
     chunks = tensor.tensor_split(n)  # n views into `tensor`, whatever its size
-    right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(2 * (n - 1)):
-        send, receive = (rank - step) % n, (rank - step - 1) % n
-        incoming = torch.empty_like(chunks[receive])
-        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
-                                               dist.P2POp(dist.irecv, incoming, left)]):
-            request.wait()
-        if step < n - 1:
-            chunks[receive].add_(incoming)  # reduce-scatter: add
-        else:
-            chunks[receive].copy_(incoming)  # all-gather: copy
-        if trace is not None:
-            trace.append((step, send, tensor.clone()))
+        ring_step(chunks, step)
+
+
+def ring_step(chunks, step: int) -> int:
+    """One step of the ring: send one chunk to the right, receive one from the left and add it
+    (steps 0 .. n-2, the reduce-scatter) or copy it (steps n-1 .. 2n-3, the all-gather).
+    Returns the index of the chunk sent."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    send, receive = (rank - step) % n, (rank - step - 1) % n
+    incoming = torch.empty_like(chunks[receive])
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
+                                           dist.P2POp(dist.irecv, incoming, left)]):
+        request.wait()
+    if step < n - 1:
+        chunks[receive].add_(incoming)  # reduce-scatter: add
+    else:
+        chunks[receive].copy_(incoming)  # all-gather: copy
+    return send
 
 
 def heap_tree(world_size) -> dict:

@@ -14,6 +14,7 @@ from helpers.how_all_reduce_works.algorithms import (
     heap_tree,
     nccl_double_tree,
     ring_all_reduce,
+    ring_step,
     tree_all_reduce,
 )
 from helpers.how_all_reduce_works.pipelined_ring import pipelined_ring_all_reduce
@@ -39,7 +40,10 @@ def ring_trace_worker(rank, world_size):
     digits show which ranks it contains (1111 = all four). Returns the start and every step."""
     data = torch.full((world_size,), 10.0**rank, dtype=torch.float64)
     trace = [(-1, None, data.clone())]  # step -1: the start
-    ring_all_reduce(data, trace)
+    chunks = data.tensor_split(world_size)  # ring_all_reduce's loop, with a look after each step
+    for step in range(2 * (world_size - 1)):
+        sent = ring_step(chunks, step)
+        trace.append((step, sent, data.clone()))
     return trace
 
 

@@ -4,8 +4,8 @@ memory: where the bytes go, per parameter and per rank (the ZeRO paper's formula
 and the bytes a rank actually holds. sharding: cutting a tensor into n equal flat shards, and the
 two collectives that move them (all-gather, reduce-scatter). sharded_optimizer: ZeRO stages 1
 and 2, readable. bucketed_optimizer: the same in flat buckets, reduce-scattered during backward,
-as they are shipped. fsdp: ZeRO stage 3. workers: run in the ranks (torch only). plots and widgets: drawn in
-the kernel. exercises and solutions: the checked exercises.
+as they are shipped. fsdp: ZeRO stage 3. workers: run in the ranks (torch only). plots and
+widgets: drawn in the kernel. exercises and solutions: the checked exercises.
 """
 
 NOTEBOOK = "07_zero_and_fsdp.ipynb"

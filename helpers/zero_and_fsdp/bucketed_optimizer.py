@@ -57,7 +57,7 @@ class InFlight(NamedTuple):
     this rank's averaged piece, and the full gradient buffer it reads (held here, so that stage
     2, which lets the bucket drop it, frees it only once the reduce-scatter has been waited for)."""
     work: dist.Work
-    bucket: "ShardedBucket"
+    bucket: ShardedBucket
     received: torch.Tensor
     gradients: torch.Tensor
 
