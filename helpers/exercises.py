@@ -40,6 +40,8 @@ class Exercise:
     rules: tuple = ()  # helpers.rules.Rule: what the task forbids or requires, checked in the ranks
     names: tuple = ()  # for a tuple result, what each element is: ("the mean", "the variance")
     hint: str = ""  # shown under a wrong value: a question that points at the usual mistake
+    harness: callable = None  # plain functions: harness(function, *inputs) calls the learner's
+    # function and returns what is compared with expected (values measured around the call)
     lesson: str = ""  # the lesson's package, e.g. "helpers.collectives" (filled in by `exercises`)
 
     def worker(self, function, log_dir: str):
@@ -131,13 +133,17 @@ def _check_case(exercise, function, case):
     if not exercise.distributed:
         given = exercise.inputs(*case) if exercise.inputs else case
         try:
-            got = function(*given)
+            got = exercise.harness(function, *given) if exercise.harness else function(*given)
         except NotImplementedError:
             return _not_started(exercise)
         except Exception as error:  # noqa: BLE001 - the student's code may raise anything
             return [f"Your function raised {type(error).__name__}: {error}"]
         problem = _compare(got, exercise.expected(*case), exercise.names)
-        return [f"For the input {_labelled(function, given)}: {problem}"] if problem else None
+        if not problem:
+            return None
+        where = (f"the case {_labelled(exercise.expected, given)}" if exercise.harness
+                 else f"the input {_labelled(function, given)}")
+        return [f"For {where}: {problem}", *([f"Hint: {exercise.hint}"] if exercise.hint else [])]
     world_size, args = case
     log_dir = tempfile.mkdtemp(prefix="helpers-check-")
     try:

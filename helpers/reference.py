@@ -85,8 +85,13 @@ class Attention(nn.Module):
             return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = split_heads(self.q(x)), split_heads(self.k(x)), split_heads(self.v(x))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attended = self.core(q, k, v)
         return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
+
+    def core(self, q, k, v):
+        """softmax(q k^T / sqrt(head_dim)) v with the causal mask, per head: the attention
+        core, which selective recomputation recomputes (lesson 11)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class FeedForward(nn.Module):

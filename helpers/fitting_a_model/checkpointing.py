@@ -1,0 +1,151 @@
+"""Activation checkpointing (lesson 11): what a transformer block keeps for backward without it,
+with selective recomputation and with full recomputation, measured and by formula, and the
+FLOPs it costs.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+arXiv:2205.05198) count, per layer and in 16-bit (s sequence, b batch, h hidden, a heads),
+Table 2: no recomputation sbh(34 + 5as/h); selective recomputation (the attention core, whose
+softmax and dropout make the 5as/h term, recomputed in backward) 34sbh; full recomputation (only
+the layer's input kept) 2sbh. The course's Block keeps float32 activations and has no dropout, so
+`kept_formula` counts its own tensors (lesson 08's `block_formula`) the same way.
+
+    recompute_in_backward(module, method)   run module.method under torch.utils.checkpoint
+    apply(model, mode)                      "none", "selective" or "full", on every block
+    kept_bytes(block, x, mode, attention)   what autograd keeps in one block's forward, measured
+    kept_formula(s, b, h, a, mode, attention)   the same, by formula
+    paper_bytes(s, b, h, a, mode)           the paper's Table 2; paper_bytes_as_the_block: the
+                                            same accounting without dropout, in float32
+    step_flops(model, batch, mode)          FLOPs of forward + backward, FlopCounterMode
+    recomputed_flops(s, b, h, mode)         what recomputation adds per block, by formula
+
+`attention` picks scaled_dot_product_attention's kernel: "flash" (the CPU's default here, which
+keeps only each row's log-sum-exp and recomputes the probabilities in its backward) or "math"
+(which keeps the s x s probabilities of every head, as the paper's accounting assumes).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
+
+from helpers import reference
+from helpers.instrument import saved_activations, saved_bytes
+from helpers.tensor_parallelism.memory import block_formula
+from helpers.timing import take_turns, training_step
+
+MODES = ("none", "selective", "full")
+KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+
+
+def recompute_in_backward(module, method: str = "forward") -> None:
+    """From now on, `module.method` runs under torch.utils.checkpoint: autograd keeps only its
+    inputs, and backward runs it again to get what it needs."""
+    original = getattr(type(module), method)
+    setattr(module, method, functools.partial(checkpoint, original, module, use_reentrant=False))
+
+
+def apply(model, mode: str):
+    """Checkpoint every block of `model` (a TinyLM, or one Block): "full" recomputes the whole
+    block from its input, "selective" only its attention core, "none" nothing. Returns model."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for block in getattr(model, "blocks", [model]):
+        if mode == "full":
+            recompute_in_backward(block)
+        elif mode == "selective":
+            recompute_in_backward(block.attention, "core")
+    return model
+
+
+def kept_bytes(block, x, mode: str, attention: str = "flash") -> int:
+    """The bytes of the distinct tensors autograd keeps for backward in one forward of `block`
+    (a copy, checkpointed by `mode`), its parameters left out (instrument.saved_activations)."""
+    block = apply(copy.deepcopy(block), mode)
+    with sdpa_kernel(KERNELS[attention]), saved_activations(block) as saved:
+        block(x)
+    return saved_bytes(saved)
+
+
+def kept_formula(s: int, b: int, h: int, a: int, mode: str, attention: str = "flash") -> int:
+    """What the course's Block keeps, in bytes (float32). none: lesson 08's block_formula, whose
+    statistics include the flash kernel's log-sum-exp (b a s); the math kernel keeps the
+    probabilities (a s x s per sequence) instead. selective: the core keeps nothing of its own
+    (its inputs q, k, v are kept, and its output is the next layer's input). full: the input."""
+    if mode == "full":
+        return 4 * s * b * h
+    whole = sum(block_formula(s, b, h, a).values())
+    logsumexp, probabilities = 4 * b * a * s, 4 * b * a * s * s
+    if mode == "selective":
+        return int(whole - logsumexp)
+    return int(whole - logsumexp + (probabilities if attention == "math" else logsumexp))
+
+
+def paper_bytes(s: int, b: int, h: int, a: int, mode: str) -> float:
+    """Korthikanti et al. 2022, Table 2, per layer without parallelism: 16-bit activations,
+    1-byte dropout masks."""
+    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h,
+            "full": 2 * s * b * h}[mode]
+
+
+def paper_bytes_as_the_block(s: int, b: int, h: int, a: int, mode: str) -> float:
+    """The paper's accounting for a layer like the course's Block: without dropout (its two
+    1-byte masks of sbh, and the attention's 1-byte mask and 2-byte output of a s^2 b, go) and
+    with 4-byte tensors instead of 2-byte ones: none 2 (32 sbh + 2 a s^2 b), selective
+    2 (32 sbh), full 2 (2 sbh). It leaves out the LayerNorms' statistics."""
+    return {"none": 2 * (32 * s * b * h + 2 * a * s * s * b), "selective": 2 * 32 * s * b * h,
+            "full": 2 * 2 * s * b * h}[mode]
+
+
+def step_times_worker(rank, world_size, model, batch, iterations):
+    """One copy of `model` per mode, taking turns (helpers.timing): each one's median seconds
+    for a training step (forward, backward, SGD) on this rank's slice of `batch`."""
+    local = batch.shard(rank, world_size)
+    steps = {}
+    for mode in MODES:
+        checkpointed = apply(copy.deepcopy(model), mode)
+        optimizer = torch.optim.SGD(checkpointed.parameters(), lr=1e-3)
+        steps[mode] = functools.partial(training_step, checkpointed, optimizer,
+                                        reference.lm_loss, local.inputs, local.targets)
+    return take_turns(steps, rounds=iterations)
+
+
+def step_flops(model, batch, mode: str, early_stop: bool = True) -> dict:
+    """FLOPs of one forward and one backward of `model` (a copy, checkpointed by `mode`) on
+    `batch`, counted by torch.utils.flop_counter.FlopCounterMode: {"forward", "total", "blocks"
+    (the forward's FLOPs inside the blocks)}. Attention runs the math kernel, whose matrix
+    products the counter sees (it has no formula for the CPU's flash kernel). `early_stop`:
+    torch.utils.checkpoint's default, which stops recomputing once backward has every tensor it
+    needs (set_checkpoint_early_stop)."""
+    model = apply(copy.deepcopy(model), mode)
+    with sdpa_kernel(KERNELS["math"]), set_checkpoint_early_stop(early_stop):
+        with FlopCounterMode(display=False) as forward:
+            loss = reference.lm_loss(model(batch.inputs), batch.targets)
+        with FlopCounterMode(display=False) as backward:
+            loss.backward()
+    blocks = sum(sum(counts.values()) for name, counts in forward.get_flop_counts().items()
+                 if name.count(".") == 2 and ".blocks." in name)
+    return {"forward": forward.get_total_flops(), "blocks": blocks,
+            "total": forward.get_total_flops() + backward.get_total_flops()}
+
+
+def block_forward_flops(s: int, b: int, h: int) -> int:
+    """Matrix-product FLOPs of one Block's forward: its six Linear layers, 2 b s (4 h^2 + 8 h^2),
+    and the attention core's two products, q k^T and P v, 2 b s^2 h each (the counter counts the
+    causal core whole)."""
+    return 2 * b * s * 12 * h * h + 4 * b * s * s * h
+
+
+def recomputed_flops(s: int, b: int, h: int, mode: str, early_stop: bool = True) -> int:
+    """The FLOPs backward adds per Block by recomputing: the block's forward (full), or its
+    core's (selective). With early stop, the last product of each is not recomputed, because
+    backward never needs its output: the MLP's `down` (2 b s 4h^2), and the core's P v."""
+    if mode == "none":
+        return 0
+    if mode == "selective":
+        return 2 * b * s * s * h * (1 if early_stop else 2)
+    return block_forward_flops(s, b, h) - (8 * b * s * h * h if early_stop else 0)

@@ -1,0 +1,114 @@
+"""Lesson 11's exercises, checked by `helpers.exercises.check(name, your_function)`."""
+
+import contextlib
+from unittest import mock
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from helpers import reference
+from helpers.exercises import Exercise
+
+EXERCISES = {}
+
+WIDTH = 8
+CHECKPOINT_CASES = [(0, 4), (1, 6), (2, 3)]  # (seed, batch)
+
+
+def _layer(seed):
+    """An MLP with dropout between its layers, in float64 (comparisons exact to rounding)."""
+    return reference.seeded(seed, lambda: nn.Sequential(
+        nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Dropout(0.5),
+        nn.Linear(4 * WIDTH, WIDTH))).double()
+
+
+def _run(function, seed, batch):
+    """function(layer, x) on a seeded layer, with x computed from a leaf (so its gradient flows
+    back), dropout drawing from a seeded generator; then backward of a weighted sum. Returns
+    the output, the leaf's gradient, the layer's gradients, and the bytes of floating-point
+    tensors that autograd saved during the call, x's own storage left out."""
+    layer = _layer(seed)
+    leaf = reference.seeded_randn(seed + 1, batch, WIDTH).double().requires_grad_()
+    x = leaf * 2
+    parameters = {param.untyped_storage().data_ptr() for param in layer.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if tensor.is_floating_point() and storage.data_ptr() not in parameters \
+                and storage.data_ptr() != x.untyped_storage().data_ptr():
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    torch.manual_seed(seed + 2)  # what dropout draws
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            _without_torch_checkpoint():
+        output = function(layer, x)
+    torch.manual_seed(seed + 3)  # backward must not depend on the generator's state now
+    weights = reference.seeded_randn(seed + 4, batch, WIDTH).double()
+    (output * weights).sum().backward()
+    return (output.detach(), leaf.grad, [param.grad for param in layer.parameters()],
+            sum(kept.values()))
+
+
+@contextlib.contextmanager
+def _without_torch_checkpoint():
+    """torch.utils.checkpoint refuses to run, however it was imported: both of its ways in
+    (reentrant or not) go through these two module attributes."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the task says: write the checkpointing yourself, without "
+                           "torch.utils.checkpoint")
+    with mock.patch.object(torch.utils.checkpoint, "CheckpointFunction", mock.Mock(apply=refuse)), \
+            mock.patch.object(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator",
+                              refuse):
+        yield
+
+
+def _expected(seed, batch):
+    """Without checkpointing, and nothing kept."""
+    output, grad_x, grads, _ = _run(lambda layer, x: layer(x), seed, batch)
+    return output, grad_x, grads, 0
+
+
+EXERCISES["checkpointed"] = Exercise(
+    "checkpointed(function, x) returns function(x), a module applied to a tensor, so that "
+    "autograd keeps nothing that function computes inside (0 bytes of tensors saved for "
+    "backward, other than x itself) and backward still gives x and function's parameters the "
+    "gradients they get without checkpointing, even when function draws random numbers "
+    "(dropout), without torch.utils.checkpoint",
+    CHECKPOINT_CASES,
+    _expected,
+    distributed=False,
+    harness=_run,
+    names=("the output", "the gradient of x", "the gradients of function's parameters",
+           "the bytes of what autograd saved during the call, other than x"),
+    hint="is anything recorded while forward runs function the first time? And when backward "
+         "runs it again: from which input, for which parameters, drawing which random numbers?",
+)
+
+
+KEPT_CASES = [(16, 2, 32, 4, "none", "flash"), (128, 2, 64, 4, "none", "math"),
+              (24, 3, 48, 6, "selective", "math"), (40, 1, 16, 2, "full", "flash"),
+              (64, 4, 32, 8, "selective", "flash"), (32, 1, 64, 2, "full", "math")]
+
+
+def _kept(s, b, h, a, mode, kernel):
+    from helpers.fitting_a_model.checkpointing import kept_formula
+
+    return kept_formula(s, b, h, a, mode, kernel)
+
+
+EXERCISES["kept_bytes_per_block"] = Exercise(
+    "kept_bytes_per_block(s, b, h, a, mode, kernel) returns, as an int, the bytes one of the "
+    "course's Blocks keeps for backward in float32, for b sequences of s tokens of width h with "
+    "a heads, mode 'none', 'selective' or 'full', kernel 'flash' or 'math': as the lesson "
+    "measured them, the block's b x s x h tensors, the LayerNorms' statistics, and what the "
+    "attention core keeps with each kernel",
+    KEPT_CASES,
+    _kept,
+    distributed=False,
+    hint="which tensors does each mode keep: the 16 of b x s x h, the two LayerNorms' mean and "
+         "1/std per token, and the core's own (one log-sum-exp per query and head, or the "
+         "probabilities, s x s per head and sequence)?",
+)

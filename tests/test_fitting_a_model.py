@@ -1,0 +1,180 @@
+"""Lesson 11 (helpers.fitting_a_model): what a block keeps for backward with each kind of
+recomputation equals its formula to the byte, on several shapes and both attention kernels, and
+the paper's accounting to within the LayerNorms' statistics; recomputation leaves gradients
+unchanged and adds the FLOPs of its formula; the exercise's checker rejects typical mistakes."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+from checker import expect_acceptance, expect_rejection
+from compare import labelled
+
+from helpers import reference, run
+from helpers.fitting_a_model import checkpointing, plots
+
+# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
+pytestmark = pytest.mark.numerical
+
+SHAPES = [(16, 2, 32, 4), (24, 3, 48, 6), (40, 1, 16, 2)]  # (s, b, h, a)
+
+
+@pytest.mark.parametrize("s, b, h, a", SHAPES)
+@pytest.mark.parametrize("kernel", list(checkpointing.KERNELS))
+def test_the_bytes_a_block_keeps_equal_the_formula(s, b, h, a, kernel):
+    block = reference.make_block(dim=h, heads=a, seed=0)
+    x = reference.seeded_randn(1, b, s, h).requires_grad_()
+    for mode in checkpointing.MODES:
+        assert checkpointing.kept_bytes(block, x, mode, kernel) == \
+            checkpointing.kept_formula(s, b, h, a, mode, kernel), mode
+
+
+@pytest.mark.parametrize("s, b, h, a", SHAPES)
+def test_the_papers_accounting_without_dropout_misses_only_the_layernorm_statistics(s, b, h, a):
+    """Table 2 of Korthikanti et al. for a layer without dropout, in float32, against the math
+    kernel (which keeps the probabilities, as the paper assumes): 2 LayerNorms x (mean, 1/std)
+    per token, 4 bytes each; none for full recomputation."""
+    block = reference.make_block(dim=h, heads=a, seed=0)
+    x = reference.seeded_randn(1, b, s, h).requires_grad_()
+    for mode, statistics in (("none", 16 * b * s), ("selective", 16 * b * s), ("full", 0)):
+        kept = checkpointing.kept_bytes(block, x, mode, "math")
+        assert kept - checkpointing.paper_bytes_as_the_block(s, b, h, a, mode) == statistics
+    # and the table's own 16-bit rows, dropout included
+    assert checkpointing.paper_bytes(s, b, h, a, "full") == 2 * s * b * h
+    assert checkpointing.paper_bytes(s, b, h, a, "none") == \
+        checkpointing.paper_bytes(s, b, h, a, "selective") + 5 * a * s * s * b
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_leaves_every_gradient_identical(mode):
+    batch = reference.lm_data(seed=1, batch_size=4)[0]
+
+    def gradients(mode):
+        model = checkpointing.apply(reference.make_lm(tie_weights=True, seed=0), mode)
+        reference.lm_loss(model(batch.inputs), batch.targets).backward()
+        return {name: param.grad for name, param in model.named_parameters()}
+
+    plain, recomputed = gradients("none"), gradients(mode)
+    assert list(recomputed) == list(plain)  # the same parameters, under the same names
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=0, msg=labelled(name))
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("layers, dim, seq_len, batch_size", [(2, 32, 16, 4), (3, 16, 24, 2)])
+def test_the_flops_recomputation_adds_equal_the_formula(early_stop, layers, dim, seq_len,
+                                                        batch_size):
+    model = reference.make_lm(dim=dim, layers=layers, max_seq_len=seq_len, seed=0)
+    batch = reference.lm_data(seed=1, batch_size=batch_size, seq_len=seq_len)[0]
+    counted = {mode: checkpointing.step_flops(model, batch, mode, early_stop)
+               for mode in checkpointing.MODES}
+    blocks = layers * checkpointing.block_forward_flops(seq_len, batch_size, dim)
+    assert counted["none"]["blocks"] == blocks
+    for mode in checkpointing.MODES:
+        extra = counted[mode]["total"] - counted["none"]["total"]
+        assert extra == layers * checkpointing.recomputed_flops(seq_len, batch_size, dim, mode,
+                                                                early_stop)
+    if not early_stop:  # full recomputation is then exactly one more forward of the blocks
+        assert counted["full"]["total"] - counted["none"]["total"] == blocks
+
+
+def test_step_times_are_measured_for_every_mode():
+    medians = run(checkpointing.step_times_worker, 1, show_output=False, kwargs=dict(
+        model=reference.make_lm(seed=0), batch=reference.lm_data(seed=1, batch_size=4)[0],
+        iterations=1))[0]
+    assert set(medians) == set(checkpointing.MODES)
+    assert all(seconds > 0 for seconds in medians.values())
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        checkpointing.apply(reference.make_block(), "everything")
+
+
+def test_the_key_figure_draws():
+    fig = plots.key_figure()
+    assert len(fig.axes[0].patches) == len(checkpointing.KERNELS) * len(checkpointing.MODES)
+
+
+# --- the exercise: typical mistakes ---------------------------------------------------------
+
+
+def recomputing(restore_rng: bool, parameters_as_inputs: bool):
+    """A hand-written checkpoint: right, or without restoring the random state (dropout draws
+    new masks in backward), or without the parameters among the Function's inputs (autograd
+    then gives them no gradient)."""
+    def checkpointed(function, x):
+        parameters = list(function.parameters()) if parameters_as_inputs else []
+
+        class Recomputed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, *parameters):
+                ctx.save_for_backward(x)
+                ctx.state = torch.get_rng_state()
+                with torch.no_grad():
+                    return function(x)
+
+            @staticmethod
+            def backward(ctx, grad_output):
+                (x,) = ctx.saved_tensors
+                x = x.detach().requires_grad_()
+                with torch.random.fork_rng(devices=[]), torch.enable_grad():
+                    if restore_rng:
+                        torch.set_rng_state(ctx.state)
+                    output = function(x)
+                return torch.autograd.grad(output, [x, *parameters], grad_output)
+
+        return Recomputed.apply(x, *parameters)
+
+    return checkpointed
+
+
+def recording_the_forward(function, x):
+    """Right values, but forward is recorded: everything inside is kept."""
+    return function(x)
+
+
+def with_torch_checkpoint(function, x):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(function, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (recomputing(restore_rng=False, parameters_as_inputs=True), "the gradient of x: elements"),
+    (recording_the_forward, "the bytes of what autograd saved during the call, other than x: "
+                            "expected 0, got"),
+    (recomputing(restore_rng=True, parameters_as_inputs=False),
+     "the gradients of function's parameters: value 0: expected a tensor, got NoneType None"),
+    (with_torch_checkpoint, "without torch.utils.checkpoint"),
+])
+def test_checker_rejects_a_typical_mistake(mistake, says):
+    expect_rejection("checkpointed", mistake, says)
+
+
+def test_checker_accepts_another_right_answer():
+    expect_acceptance("checkpointed", recomputing(restore_rng=True, parameters_as_inputs=True))
+
+
+def kept_without_the_statistics(s, b, h, a, mode, kernel):
+    if mode == "full":
+        return 4 * s * b * h
+    core = 0 if mode == "selective" else (a * s * s * b if kernel == "math" else b * a * s)
+    return 4 * (16 * s * b * h + core)
+
+
+def kept_with_the_core_in_selective_too(s, b, h, a, mode, kernel):
+    if mode == "full":
+        return 4 * s * b * h
+    core = a * s * s * b if kernel == "math" else b * a * s
+    return 4 * (16 * s * b * h + 4 * b * s + core)
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (kept_without_the_statistics, "expected 66560, got 66048"),
+    (kept_with_the_core_in_selective_too, "Hint: which tensors does each mode keep"),
+])
+def test_kept_bytes_checker_rejects_a_typical_mistake(mistake, says):
+    expect_rejection("kept_bytes_per_block", mistake, says)
