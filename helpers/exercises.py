@@ -263,6 +263,8 @@ def _compare(got, expected, names=()) -> str | None:
         if got != expected:  # a wrong value first: the type is the smaller mistake
             return f"expected {expected}, got {got!r}"
         return f"expected a Python int, got {type(got).__name__} {got!r}"
+    if isinstance(expected, int):  # counts (bytes, elements) are exact
+        return None if got == expected else f"expected {expected}, got {got}"
     # A number a learner computes (a norm, a mean loss, a fitted time) may come from float32
     # sums in another order than the solution's, or from a fit on other points: 1e-4 relative is
     # hundreds of float32 epsilons (2**-23), while a wrong formula misses by its own size.

@@ -86,31 +86,37 @@ def kept_formula(s: int, b: int, h: int, a: int, mode: str, attention: str = "fl
 
 
 def paper_bytes(s: int, b: int, h: int, a: int, mode: str) -> float:
-    """Korthikanti et al. 2022, Table 2, per layer without parallelism: 16-bit activations,
-    1-byte dropout masks."""
+    """Korthikanti et al. 2022, Table 2, per layer, its rows at t = 1 (no tensor parallelism):
+    16-bit activations, 1-byte dropout masks."""
     return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h,
             "full": 2 * s * b * h}[mode]
 
 
 def paper_bytes_as_the_block(s: int, b: int, h: int, a: int, mode: str) -> float:
     """The paper's accounting for a layer like the course's Block: without dropout (its two
-    1-byte masks of sbh, and the attention's 1-byte mask and 2-byte output of a s^2 b, go) and
-    with 4-byte tensors instead of 2-byte ones: none 2 (32 sbh + 2 a s^2 b), selective
-    2 (32 sbh), full 2 (2 sbh). It leaves out the LayerNorms' statistics."""
+    1-byte masks of sbh go, and so do the attention dropout's 1-byte mask and 2-byte output, a
+    s^2 b elements each; the 2-byte softmax output stays) and with 4-byte tensors instead of
+    2-byte ones: none 2 (32 sbh + 2 a s^2 b), selective 2 (32 sbh), full 2 (2 sbh). It leaves
+    out the LayerNorms' statistics."""
     return {"none": 2 * (32 * s * b * h + 2 * a * s * s * b), "selective": 2 * 32 * s * b * h,
             "full": 2 * 2 * s * b * h}[mode]
 
 
-def step_times_worker(rank, world_size, model, batch, iterations):
+def step_times_worker(rank, world_size, model, batch, iterations, kernel="math"):
     """One copy of `model` per mode, taking turns (helpers.timing): each one's median seconds
-    for a training step (forward, backward, SGD) on this rank's slice of `batch`."""
+    for a training step (forward, backward, SGD) on this rank's slice of `batch`, attention on
+    `kernel`."""
     local = batch.shard(rank, world_size)
+
+    def step(model, optimizer):
+        with sdpa_kernel(KERNELS[kernel]):
+            training_step(model, optimizer, reference.lm_loss, local.inputs, local.targets)
+
     steps = {}
     for mode in MODES:
         checkpointed = apply(copy.deepcopy(model), mode)
         optimizer = torch.optim.SGD(checkpointed.parameters(), lr=1e-3)
-        steps[mode] = functools.partial(training_step, checkpointed, optimizer,
-                                        reference.lm_loss, local.inputs, local.targets)
+        steps[mode] = functools.partial(step, checkpointed, optimizer)
     return take_turns(steps, rounds=iterations)
 
 
@@ -142,8 +148,10 @@ def block_forward_flops(s: int, b: int, h: int) -> int:
 
 def recomputed_flops(s: int, b: int, h: int, mode: str, early_stop: bool = True) -> int:
     """The FLOPs backward adds per Block by recomputing: the block's forward (full), or its
-    core's (selective). With early stop, the last product of each is not recomputed, because
-    backward never needs its output: the MLP's `down` (2 b s 4h^2), and the core's P v."""
+    core's (selective). Early stop ends the recomputation once every tensor the checkpointed
+    function saved has been produced again; its last product saved its inputs before running,
+    and nothing inside the function saves that product's output, so it is not run again: the
+    MLP's `down` (2 b s 4h^2), the core's P v (2 b s^2 h)."""
     if mode == "none":
         return 0
     if mode == "selective":

@@ -73,10 +73,10 @@ def _expected(seed, batch):
 
 EXERCISES["checkpointed"] = Exercise(
     "checkpointed(function, x) returns function(x), a module applied to a tensor, so that "
-    "autograd keeps nothing that function computes inside (0 bytes of tensors saved for "
-    "backward, other than x itself) and backward still gives x and function's parameters the "
-    "gradients they get without checkpointing, even when function draws random numbers "
-    "(dropout), without torch.utils.checkpoint",
+    "autograd keeps nothing that function computes inside (0 bytes of floating-point tensors "
+    "saved for backward, other than x itself) and backward still gives x and function's "
+    "parameters the gradients they get without checkpointing, even when function draws random "
+    "numbers (dropout), without torch.utils.checkpoint",
     CHECKPOINT_CASES,
     _expected,
     distributed=False,
