@@ -246,3 +246,33 @@ def mismatched_state_worker(rank, world_size, directory):
 def test_a_state_saved_with_other_buckets_is_refused(tmp_path):
     with pytest.raises(WorkerError, match="another bucket size"):
         run(mismatched_state_worker, 2, args=(str(tmp_path),), show_output=False)
+
+
+def closure_worker(rank, world_size, optimizer_name):
+    """step(closure), as torch.optim.Optimizer takes it: the closure's loss comes back, and the
+    step is the one of the gradients the closure made."""
+    optimizers = {"readable": ShardedOptimizer, "bucketed": BucketedShardedOptimizer}
+    torch.manual_seed(0)
+    alone = ToyModel().double()
+    sharded = copy.deepcopy(alone)
+    optimizer = optimizers[optimizer_name](sharded.parameters(), torch.optim.SGD, lr=0.1)
+    reference_optimizer = torch.optim.SGD(alone.parameters(), lr=0.1)
+    inputs = torch.rand(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    losses = []
+    for model, opt in ((alone, reference_optimizer), (sharded, optimizer)):
+        def closure(model=model, opt=opt):
+            opt.zero_grad()
+            loss = model(inputs).square().sum()
+            loss.backward()
+            return loss
+        losses.append(opt.step(closure))
+    return losses, reference.parameters(alone), reference.parameters(sharded)
+
+
+@pytest.mark.parametrize("optimizer_name", ["readable", "bucketed"])
+def test_step_takes_a_closure(optimizer_name):
+    for losses, alone, sharded in run(closure_worker, 2, args=(optimizer_name,),
+                                      show_output=False):
+        torch.testing.assert_close(losses[1], losses[0])
+        for name, param in alone.items():
+            torch.testing.assert_close(sharded[name], param, msg=labelled(name))

@@ -201,11 +201,7 @@ class BucketedShardedOptimizer(ShardedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_gradient_synchronization()  # 1. gradients, reduce-scattered in backward
-        if self.max_grad_norm is not None:
-            self.clip_pieces(self.max_grad_norm)
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update(self.hyperparameters(outer))
-        self.inner.step()  # 2. update this rank's piece of every bucket
+        self.update_pieces()  # 2. update this rank's piece of every bucket
         works = [dist.all_gather_single(bucket.weights, bucket.piece.detach(), group=self.group,
                                         async_op=True) for bucket in self.buckets]
         for work in works:  # 3. parameters: every rank's pieces, into the flat buffers

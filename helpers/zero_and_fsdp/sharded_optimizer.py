@@ -100,14 +100,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for param, piece in self.pieces.items():  # 1. gradients (stage 1)
             if not self.gradient_sharding and param.grad is not None:
                 piece.grad = scatter_mean(param.grad, self.group)
+        self.update_pieces()  # 2. update this rank's pieces
+        for param, piece in self.pieces.items():  # 3. parameters
+            param.copy_(gather(piece, param.shape, self.group))  # (its own piece is unchanged)
+        return loss
+
+    def update_pieces(self) -> None:
+        """Clip the pieces' gradients (given max_grad_norm), hand each param group's current
+        hyperparameters to the inner optimizer (so that learning-rate schedules work), and let
+        it step this rank's pieces."""
         if self.max_grad_norm is not None:
             self.clip_pieces(self.max_grad_norm)
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update(self.hyperparameters(outer))
-        self.inner.step()  # 2. update this rank's pieces
-        for param, piece in self.pieces.items():  # 3. parameters
-            param.copy_(gather(piece, param.shape, self.group))  # (its own piece is unchanged)
-        return loss
+        self.inner.step()
 
     def clip_pieces(self, max_norm: float) -> None:
         """torch.nn.utils.clip_grad_norm_ over the whole model, from the pieces: the squares of
