@@ -147,7 +147,8 @@ def with_torch_checkpoint(function, x):
     (recording_the_forward, "the bytes of what autograd saved during the call, other than x: "
                             "expected 0, got"),
     (recomputing(restore_rng=True, parameters_as_inputs=False),
-     "the gradients of function's parameters: value 0: expected a tensor, got NoneType None"),
+     "the gradients of function's parameters: '0.weight': expected a tensor, got NoneType "
+     "None"),
     (with_torch_checkpoint, "without torch.utils.checkpoint"),
 ])
 def test_checker_rejects_a_typical_mistake(mistake, says):

@@ -26,7 +26,7 @@ def _layer(seed):
 def _run(function, seed, batch):
     """function(layer, x) on a seeded layer, with x computed from a leaf (so its gradient flows
     back), dropout drawing from a seeded generator; then backward of a weighted sum. Returns
-    the output, the leaf's gradient, the layer's gradients, and the bytes of floating-point
+    the output, the leaf's gradient, the layer's gradients by name, and the bytes of floating-point
     tensors that autograd saved during the call, x's own storage left out."""
     layer = _layer(seed)
     leaf = reference.seeded_randn(seed + 1, batch, WIDTH).double().requires_grad_()
@@ -48,8 +48,8 @@ def _run(function, seed, batch):
     torch.manual_seed(seed + 3)  # backward must not depend on the generator's state now
     weights = reference.seeded_randn(seed + 4, batch, WIDTH).double()
     (output * weights).sum().backward()
-    return (output.detach(), leaf.grad, [param.grad for param in layer.parameters()],
-            sum(kept.values()))
+    return (output.detach(), leaf.grad,
+            {name: param.grad for name, param in layer.named_parameters()}, sum(kept.values()))
 
 
 @contextlib.contextmanager
