@@ -28,7 +28,8 @@ lab: setup
 # and round in other orders, as another CPU would. The outputs and tolerances must not care
 # (helpers/tolerance.py).
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
-# The tests whose results are numbers declare `pytestmark = pytest.mark.numerical`; the
+# The tests whose results are numbers declare `pytestmark = pytest.mark.numerical` (a whole file)
+# or `@pytest.mark.numerical` (one test: exact counts of bytes or FLOPs need no second run); the
 # checkers' tests among them (their messages, not numbers) run once.
 OTHER_CPU := ATEN_CPU_CAPABILITY=default
 
