@@ -8,9 +8,6 @@ import matplotlib.pyplot as plt
 from helpers.data_parallelism.step_model import predict_step
 from helpers.drawing import COLORS, GREY, plot_step_timelines
 
-__all__ = ["plot_step_timelines"]  # drawn here first; lesson 07 draws its steps the same way
-
-
 
 def plot_replica_spread(spreads: dict):
     """How far each replica's weights are from rank 0's after every step (largest difference),
