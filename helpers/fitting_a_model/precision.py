@@ -1,0 +1,203 @@
+"""Mixed precision (lesson 11, notebooks/11_fitting_a_model.ipynb): compute in 16 bits, keep the
+weights, their gradients and the optimizer's state in float32.
+
+Under `torch.autocast(device, dtype)` each operation on autocast's lower-precision list (matrix
+products: linear, matmul, bmm, ...) casts its inputs to `dtype` and computes there; operations
+that need range or accuracy (softmax, the loss, normalisations) stay in float32. The parameters
+stay float32 ("master weights"): autocast casts each weight to `dtype` once per forward and
+autograd keeps that copy for backward, so the gradients reach the float32 parameters in float32.
+
+bfloat16 has float32's 8 exponent bits and 8 bits of mantissa, so it holds every float32 range;
+float16 has 5 exponent bits: no value above 65504, and none below 2**-24 but zero. Small float16
+gradients underflow, so float16 training multiplies the loss by a scale before backward and
+divides the gradients by it before the step (Micikevicius et al., "Mixed Precision Training",
+ICLR 2018, section 3.2). `torch.amp.GradScaler` chooses the scale: when a gradient is inf or NaN
+it skips the optimizer's step and multiplies the scale by backoff_factor (0.5); after
+growth_interval (2000) steps in a row without one it multiplies it by growth_factor (2).
+
+    losses(model, batches, dtype)              single-process AdamW, forward and loss under autocast
+                                               (dtype None: float32), the loss of each step
+    bytes_by_kind(model, batch, dtype)         the bytes of the weights and their gradients, and
+                                               what autograd keeps for backward: autocast's copies
+                                               of the weights, and the rest by dtype
+    scaler_steps(model, batches, init_scale)   float16 autocast with a GradScaler: per step the
+                                               scale, whether every gradient was finite, and
+                                               whether the optimizer stepped (its step count)
+    reduction_worker                           one backward, its gradients averaged over the ranks
+                                               in float32 and in bfloat16: the bytes sent, the
+                                               results and each rank's own gradients
+    policy_worker                              lesson 07's FSDP(compute_dtype=bfloat16) or
+                                               fully_shard with MixedPrecisionPolicy(bfloat16,
+                                               reduce_dtype=float32): parameters and bytes sent
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import torch
+import torch.distributed as dist
+
+from helpers import reference
+from helpers.instrument import Observer
+from helpers.zero_and_fsdp.fsdp import FSDP
+from helpers.zero_and_fsdp.workers import ADAMW
+
+
+def losses(model, batches, dtype=None) -> list:
+    """Train a copy of `model` with AdamW (lesson 07's settings), one step per batch, forward and
+    loss under torch.autocast("cpu", dtype) (dtype None: plain float32). The loss of each step."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    found = []
+    for batch in batches:
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = reference.lm_loss(model(batch.inputs), batch.targets)
+        loss.backward()  # outside autocast, as PyTorch's AMP examples do
+        optimizer.step()
+        found.append(loss.item())
+    return found
+
+
+def is_weight_copy(tensor: torch.Tensor, parameters: set) -> bool:
+    """Whether `tensor` (or the tensor it views: a Linear keeps its weight transposed) is
+    autocast's cast of a parameter: made by a copy (ToCopyBackward0) straight from one of
+    `parameters`' gradient accumulators."""
+    function = (tensor._base if tensor._is_view() else tensor).grad_fn
+    if function is None or type(function).__name__ != "ToCopyBackward0":
+        return False
+    source = function.next_functions[0][0]
+    return getattr(source, "variable", None) is not None and id(source.variable) in parameters
+
+
+def bytes_by_kind(model, batch, dtype=None) -> dict:
+    """One forward, loss and backward of a copy of `model` on `batch` under autocast to `dtype`
+    (None: float32). The bytes of the parameters ("weights") and of their gradients
+    ("gradients"), and of the distinct storages autograd kept for backward, split into autocast's
+    copies of the weights ("weight copies") and the rest by dtype ("activations, bfloat16",
+    "activations, float32", and the token ids, "activations, int64")."""
+    model = copy.deepcopy(model)
+    parameters = {id(param) for param in model.parameters()}
+    own = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in own:
+            kind = ("weight copies" if is_weight_copy(tensor, parameters)
+                    else f"activations, {str(tensor.dtype).removeprefix('torch.')}")
+            kept[storage.data_ptr()] = (kind, storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = reference.lm_loss(model(batch.inputs), batch.targets)
+    loss.backward()
+    totals = collections.Counter()
+    for kind, size in kept.values():
+        totals[kind] += size
+    return {"weights": sum(param.nbytes for param in model.parameters()),
+            "gradients": sum(param.grad.nbytes for param in model.parameters()), **totals}
+
+
+def scaler_steps(model, batches, init_scale: float) -> list:
+    """float16 autocast training with torch.amp.GradScaler starting at `init_scale`: per step
+    {"scale": the scale the loss was multiplied by, "finite": every unscaled gradient finite,
+    "stepped": the optimizer's step count moved, "weights changed": any parameter moved}."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    found = []
+    for batch in batches:
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = reference.lm_loss(model(batch.inputs), batch.targets)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()  # the loss times the scale: every gradient times it too
+        scaler.unscale_(optimizer)  # divide the gradients by the scale (checked for inf here)
+        finite = all(param.grad.isfinite().all() for param in model.parameters())
+        before = [param.detach().clone() for param in model.parameters()]
+        steps = optimizer_steps(optimizer)
+        scaler.step(optimizer)  # skipped if a gradient was inf or NaN
+        scaler.update()  # halve the scale after a skipped step
+        found.append({"scale": scale, "finite": finite,
+                      "stepped": optimizer_steps(optimizer) > steps,
+                      "weights changed": any(not torch.equal(old, param) for old, param
+                                             in zip(before, model.parameters()))})
+    return found
+
+
+def optimizer_steps(optimizer) -> int:
+    """The step count Adam keeps per parameter (0 before the first step)."""
+    return max((int(state["step"]) for state in optimizer.state.values()), default=0)
+
+
+def reduction_worker(rank, world_size, model, batch):
+    """One forward and backward of `model` on this rank's slice of `batch`, in float32; its
+    gradients summed over the ranks twice, in float32 and cast to bfloat16 (all_reduce, SUM),
+    each divided by the ranks after. Returns {"local": this rank's gradients, "float32",
+    "bfloat16": the averages (as float32), "sent": {dtype: bytes this rank sent}}."""
+    local = batch.shard(rank, world_size)
+    reference.lm_loss(model(local.inputs), local.targets).backward()
+    grads = {name: param.grad for name, param in model.named_parameters()}
+    result = {"local": grads, "sent": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        with Observer() as observed:
+            summed = {name: grad.to(dtype, copy=True) for name, grad in grads.items()}
+            for grad in summed.values():
+                dist.all_reduce(grad)  # the one line that differs: the dtype of what is sent
+        result[str(dtype).removeprefix("torch.")] = {
+            name: grad.float() / world_size for name, grad in summed.items()}
+        result["sent"][str(dtype).removeprefix("torch.")] = observed.sent()["all_reduce"]
+    return result
+
+
+POLICIES = {"FSDP(compute_dtype=bfloat16)": "lesson 07's hand-built ZeRO-3",
+            "fully_shard(mp_policy=MixedPrecisionPolicy(...))": "PyTorch's FSDP2"}
+
+
+def policy_worker(rank, world_size, kind, model, batches):
+    """Train a copy of `model` (an MLP of Linear layers) with ZeRO-3 computing in bfloat16 and
+    reducing gradients in float32: `kind` is a key of POLICIES. Returns the full parameters after
+    the last step, and the bytes and calls of the last step by collective."""
+    model = copy.deepcopy(model)
+    if kind == "FSDP(compute_dtype=bfloat16)":
+        module = FSDP(model, compute_dtype=torch.bfloat16)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      output_dtype=torch.float32)
+        for layer in model.layers:  # each Linear its own unit, as the hand-built FSDP's
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        module = fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(module.parameters(), **ADAMW)
+    for batch in batches:
+        local = batch.shard(rank, world_size)
+        optimizer.zero_grad()
+        with Observer() as observed:
+            reference.mse_loss(module(local.inputs), local.targets).backward()
+        optimizer.step()
+    if isinstance(module, FSDP):
+        parameters = module.gather_full_params()
+    else:
+        parameters = {name: param.full_tensor() for name, param in model.named_parameters()}
+    return {"parameters": parameters, "sent": observed.sent(), "calls": observed.calls()}
+
+
+def relative_errors(averaged: dict, local: list) -> torch.Tensor:
+    """Every element's error in `averaged` (name -> the ranks' average, as a reduction computed
+    it) against the exact average of the ranks' gradients `local` (one dict per rank), computed in
+    float64, relative to the size of the terms, Σ|g_r| / n (what a sum's rounding scales with,
+    even where the terms cancel); elements whose terms are all zero left out."""
+    errors = []
+    for name, got in averaged.items():
+        terms = torch.stack([grads[name].double() for grads in local])
+        exact, size = terms.mean(0), terms.abs().mean(0)
+        nonzero = size > 0
+        errors.append(((got.double() - exact).abs()[nonzero] / size[nonzero]).flatten())
+    return torch.cat(errors)
