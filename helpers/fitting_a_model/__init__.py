@@ -1,8 +1,12 @@
 """Lesson 11, fitting a model: notebooks/11_fitting_a_model.ipynb.
 
 checkpointing: activation checkpointing (none, selective, full) on the course's Block, the bytes
-autograd keeps measured against their formula, and the FLOPs recomputation adds, counted. plots:
-drawn in the kernel. exercises: the checked exercises; solutions: their reference solutions.
+autograd keeps measured against their formula, and the FLOPs recomputation adds, counted.
+precision: mixed precision: autocast, what it keeps, float16 loss scaling, gradients reduced in
+bfloat16, and lesson 07's compute_dtype beside FSDP2's MixedPrecisionPolicy. accumulation:
+gradient accumulation under DDP, ZeRO-1/2/3 and FSDP2, bytes sent and gradients held against
+their formulas. plots: drawn in the kernel. exercises: the checked exercises; solutions: their
+reference solutions.
 """
 
 NOTEBOOK = "11_fitting_a_model.ipynb"
@@ -10,4 +14,8 @@ NOTEBOOK = "11_fitting_a_model.ipynb"
 # Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
 BUILDS_ON = {
     "tensor_parallelism.memory": "lesson 08's count of the tensors a Block keeps for backward",
+    "data_parallelism.ddp": "lesson 06's DDP and its no_sync, accumulating gradients",
+    "zero_and_fsdp.fsdp": "lesson 07's FSDP, computing in bfloat16 beside FSDP2's policy",
+    "zero_and_fsdp.workers": "lesson 07's ZeRO stages (Trainer), fully_shard and AdamW settings",
+    "zero_and_fsdp.memory": "lesson 07's count of the bytes a rank holds",
 }

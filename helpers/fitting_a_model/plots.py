@@ -4,6 +4,7 @@ measured against the formula."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
 
 from helpers.drawing import COLORS
 from helpers.fitting_a_model.checkpointing import KERNELS, MODES
@@ -50,3 +51,62 @@ def key_figure():
                                             mode, kernel)
                for kernel in KERNELS for mode in MODES}
     return plot_kept(measured, formula, shape)
+
+
+def plot_losses(curves: dict):
+    """The loss of every step, one line per {label: [loss, ...]}."""
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    for index, (label, losses) in enumerate(curves.items()):
+        ax.plot(range(1, len(losses) + 1), losses, color=COLORS[index], label=label,
+                linestyle="-" if index == 0 else "--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_relative_errors(errors: dict, bounds: dict):
+    """How many elements have each relative error, {label: errors} on a log scale, with each
+    label's bound (a dashed line of the same colour)."""
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    nonzero = [error[error > 0] for error in errors.values()]
+    low = min(error.min().item() for error in nonzero)
+    high = max(max(error.max().item() for error in nonzero), *bounds.values())
+    edges = np.geomspace(low, high * 1.5, 60)
+    for index, (label, error) in enumerate(zip(errors, nonzero)):
+        ax.hist(error.numpy(), bins=edges, color=COLORS[index], alpha=0.7, label=label)
+        ax.axvline(bounds[label], color=COLORS[index], linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("|error| / (Σ|terms| / n), against a float64 average (dashed: the bound)")
+    ax.set_ylabel("elements")
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_accumulation(sent: dict, formula: dict, held: dict, parameter_bytes: int):
+    """Left: the bytes one rank sends per optimizer step against the micro-batches m, measured
+    {strategy: {m: bytes}} (dots) on the formula's (lines). Right: the most gradient bytes it
+    holds after a micro-batch's backward, {strategy: bytes} at the largest m, in units of the
+    whole gradients' `parameter_bytes`."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3), width_ratios=(3, 2))
+    for index, strategy in enumerate(sent):
+        counts = sorted(sent[strategy])
+        left.plot(counts, [formula[strategy][m] / 1e3 for m in counts], color=COLORS[index],
+                  label=strategy, linewidth=4 - 0.6 * index)  # equal lines stay visible
+        left.plot(counts, [sent[strategy][m] / 1e3 for m in counts], "o", color=COLORS[index])
+    left.set_xticks(counts)
+    left.set_xlabel("micro-batches per step, m")
+    left.set_ylabel("kB sent per step, one rank")
+    left.set_title("sent: measured (dots), formula (lines)", fontsize=9)
+    left.legend(fontsize=7, frameon=False)
+    names = list(held)
+    right.barh(range(len(names)), [held[name] / parameter_bytes for name in names],
+               color=[COLORS[index] for index in range(len(names))])
+    right.set_yticks(range(len(names)), names, fontsize=8)
+    right.invert_yaxis()
+    right.set_xlabel("gradients held / whole gradients")
+    right.set_title(f"held during accumulation (m = {counts[-1]})", fontsize=9)
+    fig.tight_layout()
+    return fig
