@@ -163,6 +163,36 @@ def test_strategy_charges_sharded_gradients_and_weights_every_micro_batch():
         assert layout.zero <= 1 or layout.pp == 1  # no ZeRO-2/3 under pipeline stages
 
 
+def test_strategy_takes_no_recomputation_precision_and_when_gradients_sync():
+    """Lesson 11's inputs: Table 2's first row, float32 states and activations, and ZeRO-2/3
+    holding whole gradients until the last micro-batch (FSDP2's set_requires_gradient_sync)."""
+    model = strategy.MODELS["Llama 3 70B"]
+    d, a, s = 8192, 64, 4096
+    sbh, layout = s * d, strategy.Layout(dp=8, tp=8, pp=1, zero=3)
+    none = strategy.project(model, layout, recomputation="none")
+    # sbh (34/t + 5as/(ht)) per layer, all 80 layers, one micro-batch in flight
+    assert none["activations"] == pytest.approx(sbh * (34 / 8 + 5 * a * s / (d * 8)) * 80)
+    psi = model.parameters() / 8  # tp 8
+    float32 = strategy.project(model, layout, recomputation="full", precision="float32")
+    assert float32["weights"] == pytest.approx(4 * psi / 8)  # sharded over dp 8
+    assert float32["activations"] == pytest.approx(2 * (2 * sbh * 80 + 34 * sbh / 8))
+    m, ring = 1024 / 8, 7 / 8 * psi
+    assert float32["data parallel"] == pytest.approx(3 * m * ring * 4)
+    each = strategy.project(model, layout, recomputation="full")
+    last = strategy.project(model, layout, recomputation="full", sync="last micro-batch")
+    assert each["gradients"] == pytest.approx(2 * psi / 8)
+    assert last["gradients"] == pytest.approx(2 * psi)  # whole, until the last micro-batch
+    assert last["data parallel"] == pytest.approx(2 * m * ring * 2 + ring * 2)
+    assert each["data parallel"] == pytest.approx(3 * m * ring * 2)
+    zero_2 = strategy.Layout(dp=64, tp=1, pp=1, zero=2)
+    assert strategy.project(model, zero_2, sync="last micro-batch")["data parallel"] == \
+        pytest.approx(2 * 63 / 64 * model.parameters() * 2)  # as ZeRO-1: once each way
+    reduced_in_float32 = strategy.project(model, zero_2, reduce_bytes=4)["data parallel"]
+    assert reduced_in_float32 == pytest.approx((1024 / 64 * 4 + 2) * 63 / 64 * model.parameters())
+    with pytest.raises(ValueError, match="sync is one of"):
+        strategy.project(model, layout, sync="never")
+
+
 def test_strategy_says_what_is_short_when_nothing_fits():
     model = strategy.MODELS["Llama 3 70B"]
     text = strategy.describe(model, 8)

@@ -73,7 +73,7 @@ def plot_placements(found: dict, places: list, title: str):
 def plot_projection(model, gpus: int, chosen: list, recomputation: str = "selective"):
     """Projected memory per GPU of `chosen` layouts (helpers.composing.strategy), by part, against
     the GPU's memory; each bar labelled with the link seconds its communication would take."""
-    from helpers.composing.strategy import GPU_MEMORY, project
+    from helpers.composing.strategy import GPU_MEMORY, RECOMPUTATION_LABELS, project
 
     parts = ("weights", "gradients", "optimizer", "activations")
     rows = [project(model, layout, recomputation=recomputation) for layout in chosen]
@@ -92,7 +92,7 @@ def plot_projection(model, gpus: int, chosen: list, recomputation: str = "select
     ax.set_yticks(range(len(chosen)), [str(layout) for layout in chosen], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("GiB per GPU (projection); dashed: an H100 SXM's 80 GiB")
-    ax.set_title(f"{model.name} on {gpus} GPUs, {recomputation} recomputation: memory per "
+    ax.set_title(f"{model.name} on {gpus} GPUs, {RECOMPUTATION_LABELS[recomputation]}: memory per "
                  "GPU, and the time its bytes take on the links", fontsize=10)
     ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.28),
               ncol=len(parts))

@@ -10,20 +10,27 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    token embedding (Korthikanti et al. 2022, section 4.2.3: the first stage also
                    holds it), each cut over tp (Megatron-LM's vocabulary-parallel embedding),
                    sharded over dp from the ZeRO stage on
-    activations    Korthikanti et al. 2022, Table 2, per layer and micro-batch: with tensor and
-                   sequence parallelism and selective recomputation 34 s b h / t bytes; with full
-                   recomputation 2 s b h (the layer's input only) and, while one layer is
-                   recomputed in backward, its 34 s b h / t once. For the L / pp layers of the
-                   stage, times the micro-batches in flight on the first stage under 1F1B
-                   (lesson 09: pp - r on rank r, so pp)
-    data parallel  the 2-byte gradients, on a ring: ZeRO 0 and 1 accumulate whole gradients over
-                   the m micro-batches of a step and send them once (an all-reduce, or a
-                   reduce-scatter and an all-gather of the updated weights: 2 (dp - 1)/dp Psi' 2);
-                   ZeRO 2 keeps only its gradient shard, so it reduce-scatters after every
-                   micro-batch's backward (m (dp - 1)/dp Psi' 2, as lesson 07's stage-2 hook and
-                   DeepSpeed's stage 2 do) and all-gathers the weights once; ZeRO 3 also
-                   all-gathers the weights in every micro-batch's forward and backward
-                   (3 m (dp - 1)/dp Psi' 2). ZeRO 2 and 3 only without pipeline stages:
+    activations    Korthikanti et al. 2022, Table 2, per layer and micro-batch, with tensor and
+                   sequence parallelism: without recomputation s b h (34 / t + 5 a s / (h t))
+                   bytes (the 5as/h term is attention's s x s scores, softmax and dropout);
+                   with selective recomputation 34 s b h / t; with full recomputation 2 s b h
+                   (the layer's input only) and, while one layer is recomputed in backward, its
+                   34 s b h / t once. For the L / pp layers of the stage, times the micro-batches
+                   in flight on the first stage under 1F1B (lesson 09: pp - r on rank r, so pp).
+                   Table 2 counts 2-byte activations and 1-byte dropout masks: in float32
+                   training (precision="float32") the projection doubles all of it, an upper
+                   bound
+    data parallel  the gradients (2 bytes, or 4 in float32 or with reduce_bytes=4), on a ring:
+                   ZeRO 0 and 1 accumulate whole gradients over the m micro-batches of a step and
+                   send them once (an all-reduce, or a reduce-scatter and an all-gather of the
+                   updated weights: 2 (dp - 1)/dp Psi' 2); ZeRO 2 keeps only its gradient shard,
+                   so it reduce-scatters after every micro-batch's backward (m (dp - 1)/dp Psi' 2,
+                   as lesson 07's stage-2 hook and DeepSpeed's stage 2 do) and all-gathers the
+                   weights once; ZeRO 3 also all-gathers the weights in every micro-batch's
+                   forward and backward (3 m (dp - 1)/dp Psi' 2). sync="last micro-batch" is
+                   lesson 11's other choice for 2 and 3 (FSDP2's set_requires_gradient_sync):
+                   whole gradients held until the last micro-batch, one reduce-scatter per step
+                   (ZeRO 3 still gathers 2m times). ZeRO 2 and 3 only without pipeline stages:
                    DeepSpeed refuses them with its pipeline ("ZeRO-2 and ZeRO-3 are incompatible
                    with pipeline parallelism", microsoft/DeepSpeed@38327e0,
                    deepspeed/runtime/pipe/engine.py), and torch.distributed.pipelining keeps an
@@ -65,7 +72,10 @@ from helpers.tensor_parallelism.cost import layer_bytes_sent
 from helpers.zero_and_fsdp.memory import bytes_per_rank
 
 GPU_MEMORY = 80 * 2**30  # H100 SXM, bytes (ml-engineering, compute/accelerator/README.md)
-RECOMPUTATION = ("selective", "full")
+RECOMPUTATION = ("none", "selective", "full")
+RECOMPUTATION_LABELS = {"none": "no recomputation", "selective": "selective recomputation",
+                        "full": "full recomputation"}
+SYNC = ("each micro-batch", "last micro-batch")  # when ZeRO-2 and 3 reduce-scatter
 INSIDE, BETWEEN = "NVLink 4 (H100, H200)", "InfiniBand NDR400, one port"  # lesson 04's labels
 GPUS_PER_MACHINE = 8
 
@@ -134,31 +144,46 @@ class Layout:
 
 
 def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int = 1,
-            global_batch: int = 1024, recomputation: str = "selective") -> dict:
+            global_batch: int = 1024, recomputation: str = "selective", precision: str = "mixed",
+            reduce_bytes: int | None = None, sync: str = "each micro-batch") -> dict:
     """Per GPU, in bytes: {"weights", "gradients", "optimizer", "activations", "memory", "fits",
     "data parallel", "tensor parallel", "pipeline", "sent", "seconds"}; `global_batch` sequences
-    per step, cut into micro-batches of `micro_batch` on each data-parallel rank. A projection
-    (see the module docstring)."""
+    per step, cut into micro-batches of `micro_batch` on each data-parallel rank. `precision`:
+    "mixed" or "float32" (lesson 07's bytes per parameter); `reduce_bytes`: the gradients'
+    bytes on the wire (default: 2 in mixed precision, 4 in float32); `sync`: when ZeRO-2 and 3
+    reduce-scatter (SYNC). A projection (see the module docstring)."""
     if recomputation not in RECOMPUTATION:
         raise ValueError(f"recomputation is one of {RECOMPUTATION}, not {recomputation!r}")
+    if sync not in SYNC:
+        raise ValueError(f"sync is one of {SYNC}, not {sync!r}")
     shard = model.first_stage(layout.tp, layout.pp)
-    states = bytes_per_rank(shard, layout.dp, layout.zero, precision="mixed")
+    states = bytes_per_rank(shard, layout.dp, layout.zero, precision=precision)
+    element = 2 if precision == "mixed" else 4  # a 16-bit or a float32 weight or activation
+    deferred = sync == "last micro-batch" and layout.zero >= 2
+    if deferred:  # whole gradients accumulate until the last micro-batch
+        states["gradients"] = bytes_per_rank(shard, layout.dp, 1, precision)["gradients"]
     layers = model.layers / layout.pp
     micro_batches = global_batch / (layout.dp * micro_batch)
     in_flight = min(layout.pp, micro_batches)
     sbh = seq_len * micro_batch * model.dim
-    selective = 34 * sbh / layout.tp  # one layer, one micro-batch
-    if recomputation == "selective":
+    selective = 34 * sbh / layout.tp * element / 2  # one layer, one micro-batch
+    if recomputation == "none":
+        scores = 5 * model.heads * seq_len / model.dim
+        activations = (34 + scores) * sbh / layout.tp * element / 2 * layers * in_flight
+    elif recomputation == "selective":
         activations = selective * layers * in_flight
     else:
-        activations = 2 * sbh * layers * in_flight + selective
-    gradients = (layout.dp - 1) / layout.dp * shard * 2  # one ring pass over 2-byte gradients
-    data = {0: 2 * gradients, 1: 2 * gradients, 2: (micro_batches + 1) * gradients,
-            3: 3 * micro_batches * gradients}[layout.zero]
-    tensor = layer_bytes_sent(seq_len, micro_batch, model.dim, layout.tp) * layers * micro_batches
+        activations = 2 * sbh * element / 2 * layers * in_flight + selective
+    ring = (layout.dp - 1) / layout.dp * shard  # elements one ring pass sends
+    gradients, weights = ring * (reduce_bytes or element), ring * element
+    reduce_scatters = 1 if deferred else micro_batches
+    data = {0: 2 * gradients, 1: gradients + weights, 2: reduce_scatters * gradients + weights,
+            3: 2 * micro_batches * weights + reduce_scatters * gradients}[layout.zero]
+    tensor = layer_bytes_sent(seq_len, micro_batch, model.dim, layout.tp, element) * layers \
+        * micro_batches
     messages = 0 if layout.pp == 1 else (1 if layout.pp == 2 else 2)
-    pipeline = messages * sbh / layout.tp * 2 * micro_batches
-    memory = states["total"] + activations
+    pipeline = messages * sbh / layout.tp * element * micro_batches
+    memory = states["weights"] + states["gradients"] + states["optimizer"] + activations
     return {"weights": states["weights"], "gradients": states["gradients"],
             "optimizer": states["optimizer"], "activations": activations, "memory": memory,
             "fits": memory <= GPU_MEMORY, "data parallel": data, "tensor parallel": tensor,
@@ -198,8 +223,8 @@ def describe(model: Model, gpus: int, top: int = 5, **kwargs) -> str:
     fitting, every = table(model, gpus, **kwargs), layouts(model, gpus)
     recomputation = kwargs.get("recomputation", "selective")
     lines = [f"{model.name} ({model.parameters() / 1e9:.2f} B parameters) on {gpus} GPUs of "
-             f"{GPU_MEMORY / 2**30:.0f} GiB, {recomputation} recomputation: {len(fitting)} of "
-             f"{len(every)} layouts fit (a projection, not a measurement)"]
+             f"{GPU_MEMORY / 2**30:.0f} GiB, {RECOMPUTATION_LABELS[recomputation]}: "
+             f"{len(fitting)} of {len(every)} layouts fit (a projection, not a measurement)"]
     for layout, row in fitting[:top]:
         lines.append(f"  {str(layout):34s} {row['memory'] / 2**30:5.1f} GiB; sends dp "
                      f"{row['data parallel'] / 1e9:6.1f} + tp {row['tensor parallel'] / 1e9:6.1f}"
