@@ -180,3 +180,49 @@ def kept_with_the_core_in_selective_too(s, b, h, a, mode, kernel):
 ])
 def test_kept_bytes_checker_rejects_a_typical_mistake(mistake, says):
     expect_rejection("kept_bytes_per_block", mistake, says)
+
+
+# --- loss scaling by hand: typical mistakes -------------------------------------------------
+
+
+def scaling(skip_overflow=True, unscale=1, reset_on_overflow=True, grow=True):
+    """The reference solution, or with one step of it left out (or, unscale=2, done twice)."""
+    def scaled_step(model, optimizer, loss, scale, good_steps):
+        (loss * scale).backward()
+        grads = [param.grad for param in model.parameters()]
+        if skip_overflow and not all(grad.isfinite().all() for grad in grads):
+            return scale / 2, 0 if reset_on_overflow else good_steps
+        for _ in range(unscale):
+            for grad in grads:
+                grad.div_(scale)
+        optimizer.step()
+        good_steps += 1
+        if grow and good_steps == 3:
+            return scale * 2, 0
+        return scale, good_steps
+
+    return scaled_step
+
+
+def with_grad_scaler(model, optimizer, loss, scale, good_steps):
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    return scale, good_steps
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (scaling(skip_overflow=False), "the scale at each step"),  # inf weights overflow again
+    (scaling(unscale=0), "the scale at each step"),  # huge steps, then overflows
+    (scaling(unscale=2), "the weights after the last step"),  # tiny steps
+    (scaling(grow=False), "the scale at each step"),
+    (with_grad_scaler, "without torch.amp.GradScaler"),
+])
+def test_scaled_step_checker_rejects_a_typical_mistake(mistake, says):
+    expect_rejection("scaled_step", mistake, says)
+
+
+def test_scaled_step_checker_needs_good_steps_reset_after_an_overflow():
+    """Case (0, 10, 2**21): an overflow, two good steps, an overflow, good steps again: a count
+    that runs on across the second overflow grows the scale a step early."""
+    expect_rejection("scaled_step", scaling(reset_on_overflow=False), "the scale at each step")

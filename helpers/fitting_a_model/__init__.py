@@ -5,8 +5,9 @@ autograd keeps measured against their formula, and the FLOPs recomputation adds,
 precision: mixed precision: autocast, what it keeps, float16 loss scaling, gradients reduced in
 bfloat16, and lesson 07's compute_dtype beside FSDP2's MixedPrecisionPolicy. accumulation:
 gradient accumulation under DDP, ZeRO-1/2/3 and FSDP2, bytes sent and gradients held against
-their formulas. plots: drawn in the kernel. exercises: the checked exercises; solutions: their
-reference solutions.
+their formulas. fsdp2_knobs: FSDP2's reshard_after_forward, prefetching and HSDP, measured.
+plots: drawn in the kernel. exercises: the checked exercises; solutions: their reference
+solutions.
 """
 
 NOTEBOOK = "11_fitting_a_model.ipynb"

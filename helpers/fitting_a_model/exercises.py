@@ -112,3 +112,75 @@ EXERCISES["kept_bytes_per_block"] = Exercise(
          "1/std per token, and the core's own (one log-sum-exp per query and head, or the "
          "probabilities, s x s per head and sequence)?",
 )
+
+
+# --- loss scaling by hand ------------------------------------------------------------------------
+
+GROWTH_INTERVAL = 3  # GradScaler's default is 2000: 3 lets a short run show growth too
+SCALING_CASES = [(0, 12, 2.0 ** 24), (1, 8, 2.0 ** 10), (0, 10, 2.0 ** 21),  # seed, steps,
+                 (2, 10, 2.0 ** 22)]  # the first scale: overflows, growth, both
+
+
+@contextlib.contextmanager
+def _without_grad_scaler():
+    """torch.amp.GradScaler refuses to be built, however it is reached."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the task says: scale the loss yourself, without torch.amp.GradScaler")
+
+    with mock.patch.object(torch.amp, "GradScaler", refuse), \
+            mock.patch.object(torch.amp.grad_scaler, "GradScaler", refuse), \
+            mock.patch.object(torch.cuda.amp, "GradScaler", refuse):
+        yield
+
+
+def _train_scaled(step, seed, steps, init_scale):
+    """float16 autocast training of a seeded TinyLM with SGD (momentum 0.9: unlike Adam, its step
+    grows with the gradient, so a gradient left scaled shows), one seeded batch per step, the
+    loss handed to `step(model, optimizer, loss, scale, good_steps) -> (scale, good_steps)`.
+    Returns the scale of each step and the weights after the last."""
+    model = reference.make_lm(seed=seed)
+    optimizer = reference.make_optimizer("sgd", model.parameters(), lr=0.05)
+    scale, good_steps, scales = init_scale, 0, []
+    for batch in reference.lm_data(seed=seed + 1, batch_size=8, steps=steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = reference.lm_loss(model(batch.inputs), batch.targets)
+        scales.append(scale)
+        scale, good_steps = step(model, optimizer, loss, scale, good_steps)
+    return scales, reference.parameters(model)
+
+
+def _scaled_by_hand(function, seed, steps, init_scale):
+    with _without_grad_scaler():
+        return _train_scaled(function, seed, steps, init_scale)
+
+
+def _with_grad_scaler(seed, steps, init_scale):
+    """The same training with torch.amp.GradScaler doing the scaling."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL)
+
+    def step(model, optimizer, loss, scale, good_steps):
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale(), 0
+
+    return _train_scaled(step, seed, steps, init_scale)
+
+
+EXERCISES["scaled_step"] = Exercise(
+    "scaled_step(model, optimizer, loss, scale, good_steps) returns (the next scale, the next "
+    "good_steps) after one float16 training step on `loss`, so that a whole run trains as "
+    "torch.amp.GradScaler(init_scale=..., growth_factor=2, backoff_factor=0.5, "
+    f"growth_interval={GROWTH_INTERVAL}) does: the same scale at every step, the same weights "
+    "at the end (a step whose gradients are inf or NaN moves no weight and no optimizer state), "
+    "without torch.amp.GradScaler",
+    SCALING_CASES,
+    _with_grad_scaler,
+    distributed=False,
+    harness=_scaled_by_hand,
+    names=("the scale at each step", "the weights after the last step"),
+    hint="which gradients does the optimizer see: scaled, or divided by the scale again? What "
+         "happens to the scale, and to good_steps, after an overflow, and after "
+         f"{GROWTH_INTERVAL} good steps in a row?",
+)

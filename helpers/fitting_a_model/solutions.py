@@ -36,3 +36,17 @@ def kept_bytes_per_block(s, b, h, a, mode, kernel):
     statistics = 2 * 2 * b * s  # two LayerNorms: mean and 1/std per token
     core = 0 if mode == "selective" else (a * s * s * b if kernel == "math" else b * a * s)
     return 4 * (tensors + statistics + core)
+
+
+def scaled_step(model, optimizer, loss, scale, good_steps, growth_interval=3):
+    (loss * scale).backward()  # every gradient times the scale: small ones survive float16
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    if not all(grad.isfinite().all() for grad in grads):
+        return scale / 2, 0  # overflow: skip the step, halve the scale
+    for grad in grads:
+        grad.div_(scale)  # exact: the scale is a power of two
+    optimizer.step()
+    good_steps += 1
+    if good_steps == growth_interval:
+        return scale * 2, 0
+    return scale, good_steps
