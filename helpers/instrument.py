@@ -237,6 +237,7 @@ class Observer:
             return result
 
         observed.__name__ = observed.__qualname__ = name
+        observed.__wrapped__ = original  # an Observer inside this one reads its signature
         return observed
 
 

@@ -96,6 +96,18 @@ def raising_worker(rank, world_size):
     raise ValueError("the patch was restored")
 
 
+def nested_observers_worker(rank, world_size):
+    with Observer() as outer:
+        with Observer() as inner:
+            dist.all_gather_into_tensor(torch.empty(world_size * 10), torch.ones(10))  # by position
+    return [observed.sent() for observed in (outer, inner)]
+
+
+def test_an_observer_inside_another_sees_what_the_outer_one_sees():
+    for outer, inner in run(nested_observers_worker, 2, show_output=False):
+        assert outer == inner == {"all_gather_into_tensor": pytest.approx(1 / 2 * 2 * 40)}
+
+
 def test_the_observer_restores_torch_distributed_when_the_block_raises():
     with pytest.raises(WorkerError, match="the patch was restored"):
         run(raising_worker, 1, show_output=False)
