@@ -12,7 +12,8 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    sharded over dp from the ZeRO stage on
     activations    Korthikanti et al. 2022, Table 2, per layer and micro-batch, with tensor and
                    sequence parallelism: without recomputation s b h (34 / t + 5 a s / (h t))
-                   bytes (the 5as/h term is attention's s x s scores, softmax and dropout);
+                   bytes (the 5as/h term is attention's s x s softmax output, 2 bytes, its dropout
+                   mask, 1 byte, and the dropout's output, 2 bytes);
                    with selective recomputation 34 s b h / t; with full recomputation 2 s b h
                    (the layer's input only) and, while one layer is recomputed in backward, its
                    34 s b h / t once. For the L / pp layers of the stage, times the micro-batches

@@ -4,8 +4,9 @@ transformer, and what three of its settings change.
 
 reshard_after_forward (True, False or an int k): after a block's forward, free its gathered
 weights (True: the backward gathers them again), keep them (False: no second all-gather, all
-the blocks' weights held until their backward), or keep a 1/k piece of them (an int k dividing
-n: the backward gathers from k ranks only, inside a machine on a real cluster). With B bytes of
+the blocks' weights held until their backward), or keep a 1/k piece of them (an int k, a divisor
+of n other than 1 and n, which FSDP2 takes as False and True: the backward gathers from k ranks
+only, inside a machine on a real cluster). With B bytes of
 weights per block, R for the root's own (embeddings, final norm, head), L blocks, on n ranks:
 
     setting   all-gathers per step             gathered bytes held at most

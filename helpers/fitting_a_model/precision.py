@@ -2,13 +2,17 @@
 weights, their gradients and the optimizer's state in float32.
 
 Under `torch.autocast(device, dtype)` each operation on autocast's lower-precision list (matrix
-products: linear, matmul, bmm, ...) casts its inputs to `dtype` and computes there; operations
-that need range or accuracy (softmax, the loss, normalisations) stay in float32. The parameters
+products: linear, matmul, bmm, scaled_dot_product_attention, ...) casts its inputs to `dtype` and
+computes there; operations on its float32 list run in float32 (on the CPU the losses,
+cross_entropy among them; on CUDA also softmax, log_softmax, layer_norm); every other operation
+runs in its inputs' dtype (here a LayerNorm of the float32 residual stream runs in float32, the
+softmax inside bfloat16 attention in bfloat16). The parameters
 stay float32 ("master weights"): autocast casts each weight to `dtype` once per forward and
 autograd keeps that copy for backward, so the gradients reach the float32 parameters in float32.
 
-bfloat16 has float32's 8 exponent bits and 8 bits of mantissa, so it holds every float32 range;
-float16 has 5 exponent bits: no value above 65504, and none below 2**-24 but zero. Small float16
+bfloat16 has float32's 8 exponent bits and 7 fraction bits (8 significant bits with the implicit
+one), so it covers float32's range; float16 has 5 exponent bits: no value above 65504, and none
+below 2**-24 but zero. Small float16
 gradients underflow, so float16 training multiplies the loss by a scale before backward and
 divides the gradients by it before the step (Micikevicius et al., "Mixed Precision Training",
 ICLR 2018, section 3.2). `torch.amp.GradScaler` chooses the scale: when a gradient is inf or NaN
