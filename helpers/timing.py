@@ -8,6 +8,8 @@ summarised by its median after a warm-up.
     training_step(module, optimizer, ...)     zero_grad, forward, backward, finish, step
     step_timeline(module, optimizer, ...)     the same step, observed: its compute spans and
                                               collectives, for drawing.plot_step_timelines
+    observed_training(module, optimizer, ...) a step per batch on this rank's slice; the last
+                                              step's Observer (its calls and bytes)
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ def training_step(module, optimizer, loss_fn, inputs, targets, after_backward=No
     if after_backward is not None:
         after_backward()
     optimizer.step()
+
+
+def observed_training(module, optimizer, loss_fn, batches, rank, world_size) -> Observer:
+    """One training step per batch on this rank's slice of it (training_step), the last one
+    observed: returns its Observer, whose calls and bytes are one step's."""
+    for batch in batches:
+        local = batch.shard(rank, world_size)
+        with Observer() as observed:
+            training_step(module, optimizer, loss_fn, local.inputs, local.targets)
+    return observed
 
 
 def step_timeline(module, optimizer, loss_fn, inputs, targets, after_backward=None,

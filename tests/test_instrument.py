@@ -97,9 +97,8 @@ def raising_worker(rank, world_size):
 
 
 def nested_observers_worker(rank, world_size):
-    with Observer() as outer:
-        with Observer() as inner:
-            dist.all_gather_into_tensor(torch.empty(world_size * 10), torch.ones(10))  # by position
+    with Observer() as outer, Observer() as inner:
+        dist.all_gather_into_tensor(torch.empty(world_size * 10), torch.ones(10))  # by position
     return [observed.sent() for observed in (outer, inner)]
 
 

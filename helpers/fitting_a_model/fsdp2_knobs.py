@@ -47,6 +47,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from helpers import reference
 from helpers.instrument import Observer
+from helpers.timing import observed_training
 from helpers.zero_and_fsdp.workers import ADAMW
 
 
@@ -169,12 +170,7 @@ def hsdp_worker(rank, world_size, model, batches, shape=(2, 2)):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     model = shard(copy.deepcopy(model), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    for batch in batches:
-        local = batch.shard(rank, world_size)
-        optimizer.zero_grad()
-        with Observer() as observed:
-            reference.lm_loss(model(local.inputs), local.targets).backward()
-        optimizer.step()
+    observed = observed_training(model, optimizer, reference.lm_loss, batches, rank, world_size)
     dimension = {tuple(dist.get_process_group_ranks(mesh.get_group(name))): name
                  for name in ("replicate", "shard")}
     sent, calls = collections.Counter(), collections.Counter()

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from helpers import reference
 from helpers.instrument import Observer
+from helpers.timing import observed_training
 from helpers.zero_and_fsdp.fsdp import FSDP
 from helpers.zero_and_fsdp.workers import ADAMW
 
@@ -180,12 +181,7 @@ def policy_worker(rank, world_size, kind, model, batches):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         module = fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(module.parameters(), **ADAMW)
-    for batch in batches:
-        local = batch.shard(rank, world_size)
-        optimizer.zero_grad()
-        with Observer() as observed:
-            reference.mse_loss(module(local.inputs), local.targets).backward()
-        optimizer.step()
+    observed = observed_training(module, optimizer, reference.mse_loss, batches, rank, world_size)
     if isinstance(module, FSDP):
         parameters = module.gather_full_params()
     else:
