@@ -204,6 +204,19 @@ def scaling(skip_overflow=True, unscale=1, reset_on_overflow=True, grow=True):
     return scaled_step
 
 
+def stepping_on_zeroed_gradients(model, optimizer, loss, scale, good_steps):
+    """Overflow handled by zeroing the gradients, then stepping anyway: momentum still moves."""
+    (loss * scale).backward()
+    grads = [param.grad for param in model.parameters()]
+    overflow = not all(grad.isfinite().all() for grad in grads)
+    for grad in grads:
+        grad.zero_() if overflow else grad.div_(scale)
+    optimizer.step()
+    if overflow:
+        return scale / 2, 0
+    return (scale * 2, 0) if good_steps + 1 == 3 else (scale, good_steps + 1)
+
+
 def with_grad_scaler(model, optimizer, loss, scale, good_steps):
     scaler = torch.amp.GradScaler("cpu", init_scale=scale)
     scaler.scale(loss).backward()
@@ -215,6 +228,7 @@ def with_grad_scaler(model, optimizer, loss, scale, good_steps):
     (scaling(skip_overflow=False), "the scale at each step"),  # inf weights overflow again
     (scaling(unscale=0), "the scale at each step"),  # huge steps, then overflows
     (scaling(unscale=2), "the weights after the last step"),  # tiny steps
+    (stepping_on_zeroed_gradients, "whether each step moved the weights"),
     (scaling(grow=False), "the scale at each step"),
     (with_grad_scaler, "without torch.amp.GradScaler"),
 ])

@@ -117,8 +117,8 @@ EXERCISES["kept_bytes_per_block"] = Exercise(
 # --- loss scaling by hand ------------------------------------------------------------------------
 
 GROWTH_INTERVAL = 3  # GradScaler's default is 2000: 3 lets a short run show growth too
-SCALING_CASES = [(0, 12, 2.0 ** 24), (1, 8, 2.0 ** 10), (0, 10, 2.0 ** 21),  # seed, steps,
-                 (2, 10, 2.0 ** 22)]  # the first scale: overflows, growth, both
+# (seed, steps, the first scale's power of two): overflows, growth, both
+SCALING_CASES = [(0, 12, 24), (1, 8, 10), (0, 10, 21), (2, 10, 22)]
 
 
 @contextlib.contextmanager
@@ -133,31 +133,36 @@ def _without_grad_scaler():
         yield
 
 
-def _train_scaled(step, seed, steps, init_scale):
+def _train_scaled(step, seed, steps, init_scale_power):
     """float16 autocast training of a seeded TinyLM with SGD (momentum 0.9: unlike Adam, its step
-    grows with the gradient, so a gradient left scaled shows), one seeded batch per step, the
-    loss handed to `step(model, optimizer, loss, scale, good_steps) -> (scale, good_steps)`.
-    Returns the scale of each step and the weights after the last."""
+    grows with the gradient, so a gradient left scaled shows), one seeded batch per step: zero_grad,
+    the loss under autocast, handed to `step(model, optimizer, loss, scale, good_steps) -> (scale,
+    good_steps)`, starting from scale 2**init_scale_power. Returns the scale of each step, whether
+    each step moved any weight, and the weights after the last."""
     model = reference.make_lm(seed=seed)
     optimizer = reference.make_optimizer("sgd", model.parameters(), lr=0.05)
-    scale, good_steps, scales = init_scale, 0, []
+    scale, good_steps, scales, moved = 2.0 ** init_scale_power, 0, [], []
     for batch in reference.lm_data(seed=seed + 1, batch_size=8, steps=steps):
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = reference.lm_loss(model(batch.inputs), batch.targets)
         scales.append(scale)
+        before = [param.detach().clone() for param in model.parameters()]
         scale, good_steps = step(model, optimizer, loss, scale, good_steps)
-    return scales, reference.parameters(model)
+        moved.append(any(not torch.equal(old, param) for old, param
+                         in zip(before, model.parameters())))
+    return scales, moved, reference.parameters(model)
 
 
-def _scaled_by_hand(function, seed, steps, init_scale):
+def _scaled_by_hand(function, seed, steps, init_scale_power):
     with _without_grad_scaler():
-        return _train_scaled(function, seed, steps, init_scale)
+        return _train_scaled(function, seed, steps, init_scale_power)
 
 
-def _with_grad_scaler(seed, steps, init_scale):
+def _with_grad_scaler(seed, steps, init_scale_power):
     """The same training with torch.amp.GradScaler doing the scaling."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** init_scale_power,
+                                  growth_interval=GROWTH_INTERVAL)
 
     def step(model, optimizer, loss, scale, good_steps):
         scaler.scale(loss).backward()
@@ -165,7 +170,7 @@ def _with_grad_scaler(seed, steps, init_scale):
         scaler.update()
         return scaler.get_scale(), 0
 
-    return _train_scaled(step, seed, steps, init_scale)
+    return _train_scaled(step, seed, steps, init_scale_power)
 
 
 EXERCISES["scaled_step"] = Exercise(
@@ -179,8 +184,10 @@ EXERCISES["scaled_step"] = Exercise(
     _with_grad_scaler,
     distributed=False,
     harness=_scaled_by_hand,
-    names=("the scale at each step", "the weights after the last step"),
-    hint="which gradients does the optimizer see: scaled, or divided by the scale again? What "
-         "happens to the scale, and to good_steps, after an overflow, and after "
+    names=("the scale at each step", "whether each step moved the weights",
+           "the weights after the last step"),
+    hint="which gradients does the optimizer see: scaled, or divided by the scale again? Does a "
+         "step whose gradients overflowed leave the weights, and SGD's momentum, untouched? "
+         f"What happens to the scale, and to good_steps, after an overflow, and after "
          f"{GROWTH_INTERVAL} good steps in a row?",
 )
