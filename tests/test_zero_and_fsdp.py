@@ -22,8 +22,8 @@ from helpers.zero_and_fsdp import memory, plots, sharding, widgets, workers
 from helpers.zero_and_fsdp.bucketed_optimizer import BucketedShardedOptimizer
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
-# Results that are numbers: `make test` runs these again on other CPU kernels (Makefile).
-pytestmark = pytest.mark.numerical
+# Results that are numbers are marked numerical: `make test` runs them again on other CPU kernels
+# (Makefile). Exact counts of bytes and calls, formulas and pictures need no second run.
 
 
 def lm_and_batches(tie_weights=True):
@@ -38,6 +38,7 @@ def float64_lm_and_batches():
     return reference.in_float64(*lm_and_batches())
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_stage_trains_like_one_process(stage, world_size):
@@ -52,6 +53,7 @@ def test_every_stage_trains_like_one_process(stage, world_size):
             torch.testing.assert_close(parameters[name], param, msg=labelled(name))
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_3_with_whole_blocks_as_units_trains_like_one_process(world_size):
     """Each block one piece, gathered once per forward and once per backward, its forward
@@ -87,6 +89,7 @@ def test_a_block_unit_costs_one_all_gather_each_way_and_one_reduce_scatter():
     assert peak == block_bytes  # one block's weights at a time
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("kind", workers.TORCH_KINDS)
 def test_pytorch_zero_trains_like_one_process(kind):
     model, batches = float64_lm_and_batches()
@@ -97,6 +100,7 @@ def test_pytorch_zero_trains_like_one_process(kind):
             torch.testing.assert_close(parameters[name], param, msg=labelled(name))
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("gradient_sharding", [False, True])
 def test_the_sharded_optimizer_keeps_param_groups_and_leaves_frozen_weights(gradient_sharding):
     out = run(workers.param_groups_worker, 3, args=(gradient_sharding,), show_output=False)
@@ -106,6 +110,7 @@ def test_the_sharded_optimizer_keeps_param_groups_and_leaves_frozen_weights(grad
             torch.testing.assert_close(result["sharded"][name], param, msg=labelled(name))
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fsdp_in_low_precision_equals_one_process_doing_the_same_casts(dtype):
     model, batches = lm_and_batches()
@@ -128,6 +133,7 @@ def test_fsdp_in_low_precision_equals_one_process_doing_the_same_casts(dtype):
                for name, param in same_casts.items()) > 1e-2
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("numel, world_size", [(10, 4), (7, 3), (1, 4), (12, 4), (5, 5)])
 def test_pieces_cover_the_tensor_and_the_collectives_move_them(numel, world_size):
     full = reference.seeded_randn(numel, numel)
@@ -358,6 +364,7 @@ def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("stage, bucket_mb", [(0, None), (1, None), (2, None), (3, None),
                                                (1, 0.01), (2, 0.01)])
 def test_gradient_clipping_by_the_global_norm_matches_one_process(stage, bucket_mb):
@@ -410,6 +417,7 @@ def resume_worker(rank, world_size, gradient_sharding, directory, bucket_mb):
     return reference.parameters(straight), reference.parameters(resumed)
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("bucket_mb", [None, 0.01])
 @pytest.mark.parametrize("gradient_sharding", [False, True])
 def test_a_sharded_optimizer_saves_and_resumes_its_pieces_state(gradient_sharding, bucket_mb,
@@ -427,6 +435,7 @@ def different_seeds_worker(rank, world_size):
     return reference.parameters(model)
 
 
+@pytest.mark.numerical
 def test_the_sharded_optimizer_starts_every_rank_from_rank_0s_weights():
     out = run(different_seeds_worker, 3, show_output=False)
     rank_0 = reference.parameters(reference.make_mlp(dim=8, num_layers=2, seed=0))
@@ -450,6 +459,7 @@ def dropout_unit_worker(rank, world_size, units):
     return wrapped.gather_full_params()
 
 
+@pytest.mark.numerical
 def test_recomputing_a_unit_draws_the_same_dropout_masks():
     recomputed = run(dropout_unit_worker, 2, args=(True,), show_output=False)[0]
     layered = run(dropout_unit_worker, 2, args=(False,), show_output=False)[0]
@@ -475,6 +485,7 @@ def test_fsdp_refuses_what_it_would_shard_wrongly(case, says):
         run(refusing_worker, 2, args=(case,), show_output=False)
 
 
+@pytest.mark.numerical
 def test_gather_full_params_gives_the_unsharded_state_dict():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     names = run(full_state_worker, 2, args=(model,), show_output=False)[0]
@@ -485,6 +496,7 @@ def full_state_worker(rank, world_size, model):
     return list(workers.FSDP(copy.deepcopy(model)).gather_full_params())
 
 
+@pytest.mark.numerical
 def test_the_fully_shard_recipe_trains_like_one_process():
     """Meta-device build, rank 0's weights broadcast into the pieces, clipping, full state dict
     back on rank 0."""
