@@ -31,13 +31,14 @@ lab: setup
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 # The tests whose results are numbers declare `pytestmark = pytest.mark.numerical` (a whole file)
 # or `@pytest.mark.numerical` (one test: exact counts of bytes or FLOPs need no second run); the
-# checkers' tests among them (their messages, not numbers) run once.
+# checkers' tests among them (their messages, not numbers) run once, and so do the tests a whole-file
+# mark would take but that no rounding can change (`@pytest.mark.once`).
 OTHER_CPU := ATEN_CPU_CAPABILITY=default
 
 test: setup lint
 	$(PY) -m pytest -n 2 tests --ignore=tests/test_browser.py
 	$(PY) -m pytest -n 2 --dist loadfile $(NBVAL) tests/test_browser.py $(NOTEBOOKS)
-	$(OTHER_CPU) $(PY) -m pytest -n 2 -m numerical -k "not checker" tests \
+	$(OTHER_CPU) $(PY) -m pytest -n 2 -m "numerical and not once" -k "not checker" tests \
 		--ignore=tests/test_browser.py
 	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) --nbval-skip-timings $(NOTEBOOKS)
 

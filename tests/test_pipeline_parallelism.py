@@ -168,6 +168,7 @@ def test_step_times_are_measured_for_every_contender():
     assert all(seconds > 0 for seconds in times.values())
 
 
+@pytest.mark.once  # no rounding changes what it checks
 def test_the_pictures_and_the_explorer_draw():
     model, batch = mlp_case()
     out = run(workers.step_worker, 2, kwargs=dict(
