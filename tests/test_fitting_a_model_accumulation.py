@@ -41,7 +41,7 @@ def results(strategy, float64, world_size=2, micro_batches=MICRO_BATCHES):
             for index, m in enumerate(micro_batches)}
 
 
-@pytest.mark.numerical
+# float64: runs once (Makefile)
 @pytest.mark.parametrize("world_size, micro_batches", [(2, MICRO_BATCHES), (4, (2,))],
                          ids=["n=2, m=1,2,4", "n=4, m=2"])
 @pytest.mark.parametrize("strategy", list(accumulation.STRATEGIES))

@@ -57,7 +57,7 @@ def test_explicit_prefetch_issues_each_all_gather_blocks_early(prefetch):
         assert all(start <= end for _, start, end in result["events"])
 
 
-@pytest.mark.numerical
+# float64: runs once (Makefile)
 def test_hsdp_trains_like_one_process_and_sends_its_formulas_bytes():
     model, batches = reference.in_float64(reference.make_lm(seed=0, layers=2),
                                           reference.lm_data(seed=1, batch_size=8, steps=2))

@@ -38,7 +38,7 @@ def float64_lm_and_batches():
     return reference.in_float64(*lm_and_batches())
 
 
-@pytest.mark.numerical
+# float64: runs once (Makefile)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_stage_trains_like_one_process(stage, world_size):
@@ -53,7 +53,7 @@ def test_every_stage_trains_like_one_process(stage, world_size):
             torch.testing.assert_close(parameters[name], param, msg=labelled(name))
 
 
-@pytest.mark.numerical
+# float64: runs once (Makefile)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_3_with_whole_blocks_as_units_trains_like_one_process(world_size):
     """Each block one piece, gathered once per forward and once per backward, its forward
@@ -89,7 +89,7 @@ def test_a_block_unit_costs_one_all_gather_each_way_and_one_reduce_scatter():
     assert peak == block_bytes  # one block's weights at a time
 
 
-@pytest.mark.numerical
+# float64: runs once (Makefile)
 @pytest.mark.parametrize("kind", workers.TORCH_KINDS)
 def test_pytorch_zero_trains_like_one_process(kind):
     model, batches = float64_lm_and_batches()

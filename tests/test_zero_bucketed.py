@@ -39,7 +39,7 @@ def both_versions_worker(rank, world_size, stage, model, batches, bucket_mb):
             for name, buckets in (("readable", None), ("bucketed", bucket_mb))}
 
 
-@pytest.mark.numerical
+# float64: runs once (Makefile)
 @pytest.mark.parametrize("stage, world_size, bucket_mb", [
     (1, 2, TINY_BUCKETS), (2, 4, TINY_BUCKETS), (1, 4, ONE_BUCKET), (2, 2, ONE_BUCKET)])
 def test_bucketed_zero_trains_like_one_process_and_like_the_readable_version(
@@ -57,7 +57,7 @@ def test_bucketed_zero_trains_like_one_process_and_like_the_readable_version(
                                        msg=labelled(name))
 
 
-@pytest.mark.numerical
+# float64: runs once (Makefile)
 @pytest.mark.parametrize("gradient_sharding", [False, True])
 def test_bucketed_zero_keeps_param_groups_and_leaves_frozen_weights(gradient_sharding):
     """Two groups with their own lr and weight decay (each group its own buckets), one frozen
