@@ -9,6 +9,7 @@ from torch import nn
 
 from helpers import reference
 from helpers.exercises import Exercise
+from helpers.fitting_a_model.precision import moved
 
 EXERCISES = {}
 
@@ -141,7 +142,7 @@ def _train_scaled(step, seed, steps, init_scale_power):
     each step moved any weight, and the weights after the last."""
     model = reference.make_lm(seed=seed)
     optimizer = reference.make_optimizer("sgd", model.parameters(), lr=0.05)
-    scale, good_steps, scales, moved = 2.0 ** init_scale_power, 0, [], []
+    scale, good_steps, scales, stepped = 2.0 ** init_scale_power, 0, [], []
     for batch in reference.lm_data(seed=seed + 1, batch_size=8, steps=steps):
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
@@ -149,9 +150,8 @@ def _train_scaled(step, seed, steps, init_scale_power):
         scales.append(scale)
         before = [param.detach().clone() for param in model.parameters()]
         scale, good_steps = step(model, optimizer, loss, scale, good_steps)
-        moved.append(any(not torch.equal(old, param) for old, param
-                         in zip(before, model.parameters())))
-    return scales, moved, reference.parameters(model)
+        stepped.append(moved(before, model))
+    return scales, stepped, reference.parameters(model)
 
 
 def _scaled_by_hand(function, seed, steps, init_scale_power):

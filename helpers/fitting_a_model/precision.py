@@ -129,9 +129,13 @@ def scaler_steps(model, batches, init_scale: float) -> list:
         scaler.update()  # halve the scale after a skipped step
         found.append({"scale": scale, "finite": finite,
                       "stepped": optimizer_steps(optimizer) > steps,
-                      "weights changed": any(not torch.equal(old, param) for old, param
-                                             in zip(before, model.parameters()))})
+                      "weights changed": moved(before, model)})
     return found
+
+
+def moved(before: list, model) -> bool:
+    """Whether any parameter of `model` differs from its copy in `before` (same order)."""
+    return any(not torch.equal(old, param) for old, param in zip(before, model.parameters()))
 
 
 def optimizer_steps(optimizer) -> int:
