@@ -331,12 +331,24 @@ def _dump_stacks(processes, ranks, out_dir) -> dict:
             sizes[rank] = size
     dumps = {}
     for rank in ranks:  # a rank that had not started yet has no file: an empty dump
-        if _size(_rank.stack_path(out_dir, rank)):
+        if _stopped(processes[rank].pid):
+            dumps[rank] = report.STOPPED
+        elif _size(_rank.stack_path(out_dir, rank)):
             with open(_rank.stack_path(out_dir, rank)) as stack_file:
                 dumps[rank] = stack_file.read()
         else:
             dumps[rank] = ""
     return dumps
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, or a debugger holds it): it runs nothing, so it
+    cannot write its stack. Linux's /proc tells; elsewhere, False."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _size(path: str) -> int:

@@ -14,6 +14,7 @@ import signal
 import sysconfig
 
 import torch
+import typing_extensions
 
 from helpers.launcher import rank as _rank
 
@@ -31,8 +32,9 @@ _LAUNCHER_DIR = os.path.dirname(os.path.abspath(__file__))
 _HELPERS_DIR = os.path.dirname(_LAUNCHER_DIR)
 _LAUNCHER_FILES = {os.path.join(_LAUNCHER_DIR, name) for name in ("rank.py", "launch.py")}
 # helpers.instrument wraps torch.distributed's calls (the exercise checker's rules, the lessons'
-# observer): a rank blocked in a wrapped call is blocked in torch's, called from the code above
-_WRAPPERS = {os.path.join(_HELPERS_DIR, "instrument.py")}
+# observer), and typing_extensions' @deprecated wraps some of torch's own (all_gather_into_tensor):
+# a rank blocked in a wrapped call is blocked in torch's, called from the code above
+_WRAPPERS = {os.path.join(_HELPERS_DIR, "instrument.py"), typing_extensions.__file__}
 _REPR_LINES = 8
 SIMULTANEOUS_S = 0.05
 
@@ -163,9 +165,16 @@ def format_traceback(frames, type_name, message, rank) -> str:
     return "\n".join(lines)
 
 
+# What launch._dump_stacks gives for a rank whose process is stopped: it cannot dump its stack.
+STOPPED = "(the process is stopped)"
+
+
 def where_blocked(stack_dump: str) -> str:
     """Turn a faulthandler dump into 'blocked in torch.distributed.send(), called from worker at
     <file>, line <n>: <source>'."""
+    if stack_dump == STOPPED:
+        return ("stopped (by SIGSTOP, or a debugger): it runs no code, so it cannot say where it "
+                "is; its sockets stay open, and its peers wait")
     frames = [  # most recent call first, as faulthandler writes them
         (m["file"], int(m["line"]), m["name"])
         for m in map(_FRAME.match, stack_dump.splitlines()) if m
