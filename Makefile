@@ -36,13 +36,19 @@ NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 # compared in float64 (reference.in_float64) is not marked: its tolerance, assert_close's 1e-7, is
 # a million times what its rounding reaches (helpers/tolerance.py), on any kernels.
 OTHER_CPU := ATEN_CPU_CAPABILITY=default
+# Lesson 12 is left out of that second pass: every output it prints is a count of bytes or pieces,
+# a launcher's or torch's message, a comparison of two runs on the same kernels (bit for bit), or a
+# float64 comparison with one process (the reason float64 training runs are not marked
+# numerical); no rounding can change one. Its notebook is also the longest to run (torchrun).
+OTHER_CPU_NOTEBOOKS := $(filter-out notebooks/12_checkpoints_and_failures.ipynb,$(NOTEBOOKS))
 
 test: setup lint
 	$(PY) -m pytest -n 2 tests --ignore=tests/test_browser.py
 	$(PY) -m pytest -n 2 --dist loadfile $(NBVAL) tests/test_browser.py $(NOTEBOOKS)
 	$(OTHER_CPU) $(PY) -m pytest -n 2 -m "numerical and not once" -k "not checker" tests \
 		--ignore=tests/test_browser.py
-	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) --nbval-skip-timings $(NOTEBOOKS)
+	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) --nbval-skip-timings \
+		$(OTHER_CPU_NOTEBOOKS)
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
 # launcher's tests and one notebook. `make test-python PYTHON=python3.13`

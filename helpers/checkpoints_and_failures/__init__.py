@@ -1,0 +1,20 @@
+"""Lesson 12, checkpoints and failures: notebooks/12_checkpoints_and_failures.ipynb.
+
+sharded: a full state dict gathered to rank 0 beside torch.distributed.checkpoint (DCP), the
+bytes each rank writes and reads, the metadata's map of pieces, and loads into another world size
+and layout (FSDP on 2 ranks, DP × TP, one process). resume: a training loop that resumes exactly
+from its newest checkpoint (model, optimizer, sampler position, RNG states), and async_save.
+elastic: the same loop under torchrun --max-restarts, a rank killed and the job restarted.
+failures: what peers see when a rank dies or freezes, and a rank out of step found with
+TORCH_DISTRIBUTED_DEBUG=DETAIL, monitored_barrier and the flight recorder. plots: drawn in the
+kernel. exercises: the checked exercises; solutions: their reference solutions.
+"""
+
+NOTEBOOK = "12_checkpoints_and_failures.ipynb"
+
+# Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
+BUILDS_ON = {
+    "fitting_a_model.fsdp2_knobs": "lesson 11's fully_shard of each block, then the model",
+    "composing.workers": "lesson 10's DP × TP layout with fully_shard and parallelize_module",
+    "zero_and_fsdp.workers": "lesson 07's AdamW settings",
+}

@@ -1,0 +1,197 @@
+"""Lesson 12's pictures: bytes per rank, a checkpoint's pieces and who reads them, a save in the
+background, a job that survives a killed rank, and the ranks' flight records side by side."""
+
+from __future__ import annotations
+
+import tempfile
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
+from helpers.drawing import COLORS, GREY
+
+KILLED = "#C44E52"
+# the tensor the key figure shows: FSDP cuts its rows, tensor parallelism its columns
+SHOWN = "model.blocks.0.feed_forward.down.weight"
+
+
+def plot_bytes(measured: dict):
+    """Bytes each rank wrote (left) and read (right), {(how, ranks): {"written": [per rank],
+    "read": [per rank]}}: one group of bars per way and world size."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 2.8), sharey=True)
+    for ax, what in zip(axes, ("written", "read")):
+        ticks, labels, x = [], [], 0
+        for index, ((how, ranks), values) in enumerate(measured.items()):
+            xs = [x + rank for rank in range(ranks)]
+            ax.bar(xs, [value / 1e3 for value in values[what]], 0.8, color=COLORS[index % 2])
+            ticks.append(x + (ranks - 1) / 2)
+            labels.append(f"{'full state dict' if how == 'full' else 'DCP'}\n{ranks} ranks")
+            x += ranks + 1
+        ax.set_xticks(ticks, labels, fontsize=8)
+        ax.set_title(f"bytes each rank {what} (bars: ranks 0, 1, ...)", fontsize=9)
+        ax.set_ylabel("kB")
+    fig.tight_layout()
+    return fig
+
+
+def plot_pieces(saved_rows: list, loads: dict, name: str = SHOWN):
+    """One tensor of a checkpoint: left, the pieces it was saved in (colour: the file, that is the
+    rank that wrote it); then, for each {label: [[Piece] per new rank]}, the part each new rank
+    took from each piece it read, outlined and named."""
+    rows = [row for row in saved_rows if row["name"] == name]
+    shape = rows[0]["shape"]
+    files = sorted({row["file"] for row in rows})
+    fig, axes = plt.subplots(1, 1 + len(loads), figsize=(3.2 * (1 + len(loads)), 3.2))
+    for ax in axes:
+        ax.set_xlim(0, shape[1])
+        ax.set_ylim(shape[0], 0)
+        ax.set_aspect("auto")
+        ax.set_xticks([0, shape[1]])
+        ax.set_yticks([0, shape[0]])
+        for row in rows:  # the stored pieces, in every panel
+            ax.add_patch(Rectangle((row["start"][1], row["start"][0]), row["piece"][1],
+                                   row["piece"][0], color=COLORS[files.index(row["file"])],
+                                   alpha=1.0 if ax is axes[0] else 0.35, linewidth=0))
+    for row in rows:
+        axes[0].text(row["start"][1] + row["piece"][1] / 2, row["start"][0] + row["piece"][0] / 2,
+                     row["file"], ha="center", va="center", color="white", fontsize=8)
+    axes[0].set_title(f"saved: {len(files)} files, one per rank", fontsize=9)
+    for ax, (label, per_rank) in zip(axes[1:], loads.items()):
+        for rank, read in enumerate(per_rank):
+            parts = [piece for piece in read if piece.name == name]
+            top = min(piece.start[0] for piece in parts)
+            left = min(piece.start[1] for piece in parts)
+            bottom = max(piece.start[0] + piece.sizes[0] for piece in parts)
+            right = max(piece.start[1] + piece.sizes[1] for piece in parts)
+            ax.add_patch(Rectangle((left, top), right - left, bottom - top, fill=False,
+                                   edgecolor="black", linewidth=1.5))
+            sources = ", ".join(sorted({piece.file.split("_")[2] for piece in parts}))
+            ax.text((left + right) / 2, (top + bottom) / 2,
+                    f"rank {rank}\nreads __{sources.replace(', ', ', __')}",
+                    ha="center", va="center", fontsize=7.5)
+        ax.set_title(f"loaded: {label}", fontsize=9)
+    fig.suptitle(f"{name.removeprefix('model.')}, {shape[0]} × {shape[1]}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_save_timelines(runs: dict, rank: int = 0):
+    """One rank's steps and saves over time, {label: events [(what, start, end)]}: steps in
+    green, a blocking save or async_save's staging in red, the background write in blue."""
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.6 * len(runs)))
+    for row, events in enumerate(runs.values()):
+        for what, start, end in events:
+            lane = row - (0.22 if what == "write" else 0)
+            height = 0.2 if what == "write" else 0.4
+            colour = {"write": COLORS[0], "wait": GREY}.get(
+                what, COLORS[2] if what.startswith("step") else KILLED)
+            ax.barh(lane, end - start, left=start, height=height, color=colour,
+                    edgecolor="white", linewidth=0.5)
+            if what.startswith("step"):
+                ax.text((start + end) / 2, lane, what.split()[1], ha="center", va="center",
+                        fontsize=7, color="white")
+    ax.set_yticks(range(len(runs)), list(runs), fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"seconds on rank {rank}")
+    handles = [Rectangle((0, 0), 1, 1, color=colour) for colour in
+               (COLORS[2], KILLED, COLORS[0])]
+    ax.legend(handles, ["training step", "save (blocking) / staging", "writing in background"],
+              fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.45),
+              ncol=3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_job(job, story: list):
+    """A torchrun job from its workers' and its agent's own logs. Top, the whole run: for each
+    rank a tick per step (colour: the attempt), a triangle per save, a cross where it was
+    killed, and what the agent did, `story` [(seconds, what)], as numbered dashed lines listed
+    below. Bottom, each attempt's training close up, rank 0's steps numbered."""
+    ranks = sorted({event["rank"] for event in job.events})
+    attempts = sorted({event["attempt"] for event in job.events})
+    fig, axes = plt.subplot_mosaic([["all"] * len(attempts), attempts], figsize=(10, 5.2),
+                                   height_ratios=[1, 1])
+    markers = {"step": ("|", 12), "saved": ("v", 6), "started": (">", 6), "killed": ("X", 11)}
+    for name, ax in axes.items():
+        shown = [event for event in job.events if name == "all" or event["attempt"] == name]
+        for event in shown:
+            x, y = job.seconds(event["time"]), event["rank"]
+            marker, size = markers[event["event"]]
+            colour = KILLED if event["event"] == "killed" else COLORS[event["attempt"]]
+            ax.plot([x], [y], marker=marker, markersize=size, color=colour, linestyle="")
+            if name != "all" and event["event"] == "step" and y == ranks[0]:
+                ax.annotate(str(event["step"]), (x, y), xytext=(0, 8), fontsize=7,
+                            textcoords="offset points", ha="center", color=colour)
+        if name != "all":
+            times = [job.seconds(event["time"]) for event in shown]
+            ax.set_xlim(min(times) - 0.05, max(times) + 0.05)
+            ax.set_title(f"attempt {name}, close up", fontsize=9)
+        for number, (seconds, _) in enumerate(story, start=1):
+            ax.axvline(seconds, color=GREY, linewidth=0.8, linestyle="--")
+            if name == "all":
+                ax.annotate(str(number), (seconds, ranks[0] - 0.5 - 0.45 * (number % 3)),
+                            fontsize=7.5, ha="center", va="bottom",
+                            bbox={"boxstyle": "circle,pad=0.15", "fc": "white", "ec": GREY})
+        ax.set_yticks(ranks, [f"rank {rank}" for rank in ranks], fontsize=8)
+        ax.set_ylim(ranks[-1] + 0.6, ranks[0] - (1.9 if name == "all" else 0.9))
+    axes["all"].set_title("the whole job; numbered: what the agent did", fontsize=9)
+    axes["all"].set_xlabel("seconds since torchrun started", fontsize=8)
+    listed = "   ".join(f"{number}: {what}" for number, (_, what) in enumerate(story, start=1))
+    fig.text(0.5, 0.015, f"agent, from its log:   {listed}", ha="center", fontsize=8)
+    legend = [plt.Line2D([], [], marker=">", linestyle="", color=COLORS[0], label="started"),
+              plt.Line2D([], [], marker="|", linestyle="", markersize=10, color=COLORS[0],
+                         label="step, attempt 0"),
+              plt.Line2D([], [], marker="|", linestyle="", markersize=10, color=COLORS[1],
+                         label="step, attempt 1"),
+              plt.Line2D([], [], marker="v", linestyle="", color=GREY, label="checkpoint saved"),
+              plt.Line2D([], [], marker="X", linestyle="", color=KILLED, label="SIGKILL")]
+    fig.legend(handles=legend, fontsize=7.5, frameon=False, loc="lower center",
+               bbox_to_anchor=(0.5, 0.04), ncol=5)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    return fig
+
+
+def plot_flight_records(dumps: list, rows: list):
+    """The ranks' last collectives side by side, from their flight-recorder dumps, lined up by
+    sequence number (`rows`, from failures.compare): a cell per (rank, number), red where a rank
+    differs from the others."""
+    numbers = [number for number, _ in rows]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.7 * len(numbers), 0.6 + 0.42 * len(dumps)))
+    for column, (_, calls) in enumerate(rows):
+        names = list(calls.values())
+        common = max(set(names), key=names.count)
+        for rank, call in calls.items():
+            odd = call != common
+            ax.add_patch(Rectangle((column, rank), 0.95, 0.9, color=KILLED if odd else COLORS[0],
+                                   alpha=0.9 if odd else 0.35))
+            ax.text(column + 0.47, rank + 0.45, call or "(nothing)", ha="center", va="center",
+                    fontsize=8, color="white" if odd else "black")
+    ax.set_xlim(0, len(numbers))
+    ax.set_ylim(len(dumps), 0)
+    ax.set_xticks([column + 0.47 for column in range(len(numbers))],
+                  [f"#{number}" for number in numbers], fontsize=8)
+    ax.set_yticks([rank + 0.45 for rank in range(len(dumps))],
+                  [f"rank {rank}" for rank in range(len(dumps))], fontsize=8)
+    ax.set_xlabel("collective sequence number in the group", fontsize=8)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def key_figure():
+    """The lesson's key figure, from a run: TinyLM saved with DCP by FSDP on 4 ranks, and the
+    pieces of one weight that each rank reads when FSDP on 2 ranks, and DP × TP on a 2 × 2 mesh,
+    load it."""
+    from helpers import reference, run
+    from helpers.checkpoints_and_failures.sharded import load_worker, pieces, save_worker
+
+    model, batches = reference.make_lm(seed=0), reference.lm_data(seed=1, batch_size=8)
+    with tempfile.TemporaryDirectory() as directory:
+        run(save_worker, 4, args=(model, batches, directory, "dcp"), show_output=False)
+        loads = {label: [rank["read"] for rank in run(
+                     load_worker, 4 if layout == "dp×tp" else 2,
+                     args=(model, directory, "dcp", layout), show_output=False)]
+                 for label, layout in (("FSDP, 2 ranks", "fsdp"), ("DP × TP, 2 × 2", "dp×tp"))}
+        return plot_pieces(pieces(directory), loads)

@@ -1,0 +1,243 @@
+"""Saving distributed state, and loading it into another layout (lesson 12,
+notebooks/12_checkpoints_and_failures.ipynb).
+
+Two ways to save a sharded model and its optimizer:
+
+    full state dict   every piece gathered to rank 0 (get_model_state_dict and
+                      get_optimizer_state_dict with full_state_dict=True, cpu_offload=True), which
+                      writes one file with torch.save: what lessons 06-07 do. Rank 0 needs the
+                      whole state in its memory, and writes every byte alone; loading, it reads
+                      every byte alone and broadcasts (broadcast_from_rank0=True).
+    torch.distributed.checkpoint (DCP)
+                      every rank writes its own pieces (its shards of each DTensor) to its own
+                      file, __<rank>_0.distcp, in parallel; rank 0 also writes .metadata, the map
+                      of where every piece of every tensor lives (file, offset, length). Loading,
+                      each rank asks the map for the pieces that overlap its own shards, in
+                      whatever layout it has now, and reads only those.
+
+get_state_dict / set_state_dict give the model's and the optimizer's state in one form for every
+layout: keys are the model's parameter names (the optimizer's state too, not parameter numbers)
+and values are DTensors, so a checkpoint saved by FSDP on 4 ranks loads into FSDP on 2, into DP x
+TP on a 2 x 2 mesh (lesson 10's torch_dp_tp), or into one process.
+
+    LAYOUTS                          "fsdp", "dp×tp", "one process"
+    build(layout, world_size, model) the model laid out, with its AdamW
+    train(model, optimizer, batches, dp_rank, dp_size)
+    save_worker / load_worker        one save or load, its seconds and the bytes each rank wrote
+                                     or read
+    ReadRecorder                     a FileSystemReader that notes every piece it reads
+    pieces(directory)                the metadata's map, one row per stored piece
+    full_state(model, optimizer)     the whole state, gathered to every rank, keyed by name
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+
+from helpers import reference
+from helpers.composing.workers import torch_dp_tp
+from helpers.fitting_a_model.fsdp2_knobs import shard
+from helpers.timing import slowest_rank_seconds
+from helpers.zero_and_fsdp.workers import ADAMW
+
+LAYOUTS = ("fsdp", "dp×tp", "one process")
+FULL_FILE = "full.pt"  # the full state dict's one file
+METADATA_FILE = ".metadata"  # DCP's map
+
+
+def build(layout: str, world_size: int, model):
+    """A copy of `model` (a TinyLM) laid out as `layout` on `world_size` ranks, and its AdamW
+    (lesson 07's settings). Returns (model, optimizer, dp_rank, dp_size): the data-parallel
+    coordinates that say which slice of a batch this rank trains on."""
+    model = copy.deepcopy(model)
+    if layout == "fsdp":
+        shard(model, init_device_mesh("cpu", (world_size,)))
+        dp_rank, dp_size = dist.get_rank(), world_size
+    elif layout == "dp×tp":
+        if world_size % 2:
+            raise ValueError(f"dp×tp puts 2 ranks in each tensor-parallel group; {world_size} "
+                             "ranks do not split in pairs")
+        mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+        torch_dp_tp(model, mesh)
+        dp_rank, dp_size = mesh.get_local_rank("dp"), world_size // 2
+    elif layout == "one process":
+        if world_size != 1:
+            raise ValueError(f"'one process' runs on 1 rank, not {world_size}")
+        dp_rank, dp_size = 0, 1
+    else:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    return model, torch.optim.AdamW(model.parameters(), **ADAMW), dp_rank, dp_size
+
+
+def train(model, optimizer, batches, dp_rank: int, dp_size: int) -> list:
+    """A step per batch on this data-parallel rank's slice; the losses of this rank."""
+    losses = []
+    for batch in batches:
+        local = batch.shard(dp_rank, dp_size)
+        optimizer.zero_grad()
+        loss = reference.lm_loss(model(local.inputs), local.targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(model, optimizer) -> dict:
+    """{"model": {name: tensor}, "optimizer": {name: {"step", "exp_avg", "exp_avg_sq"}}}: the
+    whole state on every rank, every tensor whole (gathered), keyed by parameter name in any
+    layout. Every rank must call it."""
+    options = StateDictOptions(full_state_dict=True)
+    return {"model": {name: value.clone() for name, value in
+                      get_model_state_dict(model, options=options).items()},
+            "optimizer": {name: {key: value.clone() for key, value in state.items()} for
+                          name, state in get_optimizer_state_dict(
+                              model, optimizer, options=options)["state"].items()}}
+
+
+# --- saving and loading -------------------------------------------------------------------------
+
+def save_worker(rank, world_size, model, batches, directory, how):
+    """Train `model` under FSDP (fully_shard on `world_size` ranks) for a step per batch, then
+    save its model and optimizer state to `directory`, `how` = "full" or "dcp". Returns the
+    seconds the save took (the slowest rank's, from a barrier), the bytes this rank wrote, and
+    the whole state before saving (on rank 0), to compare loads with."""
+    model, optimizer, dp_rank, dp_size = build("fsdp", world_size, model)
+    train(model, optimizer, batches, dp_rank, dp_size)
+    before = full_state(model, optimizer)
+
+    def save():
+        if how == "full":
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = {"model": get_model_state_dict(model, options=options),
+                     "optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+            if rank == 0:  # cpu_offload=True leaves the gathered state on rank 0 only
+                torch.save(state, os.path.join(directory, FULL_FILE))
+        elif how == "dcp":
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optimizer_state},
+                     checkpoint_id=directory)
+        else:
+            raise ValueError(f"how must be 'full' or 'dcp', not {how!r}")
+
+    seconds = slowest_rank_seconds(save)
+    written = {"full": [FULL_FILE] if rank == 0 else [],
+               "dcp": [f"__{rank}_0.distcp"] + ([METADATA_FILE] if rank == 0 else [])}[how]
+    return {"seconds": seconds,
+            "written": {name: os.path.getsize(os.path.join(directory, name)) for name in written},
+            "state": before if rank == 0 else None}
+
+
+def load_worker(rank, world_size, model, directory, how, layout="fsdp"):
+    """Load `directory` (saved by save_worker) into a fresh copy of `model` laid out as `layout`
+    on `world_size` ranks. Returns the seconds the load took (slowest rank), the bytes this rank
+    read, the pieces it read (DCP: rows of `pieces`), and the whole state after loading."""
+    model, optimizer, _, _ = build(layout, world_size, model)
+    read = []
+
+    def load():
+        if how == "full":
+            state = None
+            if rank == 0:
+                state = torch.load(os.path.join(directory, FULL_FILE), weights_only=True)
+                read.append(Piece(FULL_FILE, "everything", 0,
+                                  os.path.getsize(os.path.join(directory, FULL_FILE)), None, None))
+            # rank 0's whole state, broadcast piece by piece to the ranks that hold each shard
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(model, state["model"] if rank == 0 else {}, options=options)
+            set_optimizer_state_dict(model, optimizer, state["optimizer"] if rank == 0 else {},
+                                     options=options)
+        elif how == "dcp":
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            reader = ReadRecorder(directory)
+            dcp.load(state, storage_reader=reader)  # fills `state`'s tensors in place
+            set_state_dict(model, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+            read.extend(reader.read)
+        else:
+            raise ValueError(f"how must be 'full' or 'dcp', not {how!r}")
+
+    seconds = slowest_rank_seconds(load)
+    # FileSystemReader reads a stored piece's bytes for every request that needs part of it
+    return {"seconds": seconds, "read": read, "bytes read": sum(piece.length for piece in read),
+            "state": full_state(model, optimizer)}
+
+
+# --- what DCP wrote, and what each rank read ----------------------------------------------------
+
+class Piece(NamedTuple):
+    """One stored piece of a checkpoint, as a rank read it."""
+
+    file: str
+    name: str  # the state's key: "model.head.weight", "optimizer.state.head.weight.exp_avg"
+    offset: int  # where its bytes start in the file
+    length: int  # how many bytes
+    start: tuple | None  # where the part this rank took from it starts in the whole tensor
+    sizes: tuple | None  # that part's shape (None: a non-tensor value, read whole)
+
+
+class ReadRecorder(dcp.FileSystemReader):
+    """A FileSystemReader that notes every piece it reads: `.read`, a list of Piece. DCP reads a
+    stored piece whole and then narrows it to the part this rank needs."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.read = []
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            stored = self.storage_data[item.storage_index]
+            start = sizes = None
+            if item.storage_index.offset is not None:  # a tensor: the part taken, globally
+                start = tuple(int(a) + int(b) for a, b in zip(item.storage_index.offset,
+                                                              item.storage_offsets))
+                sizes = tuple(int(length) for length in item.lengths)
+            self.read.append(Piece(stored.relative_path, item.storage_index.fqn, stored.offset,
+                                   stored.length, start, sizes))
+        return super().read_data(plan, planner)
+
+
+def pieces(directory) -> list:
+    """The map in DCP's .metadata: for every stored piece, the tensor it belongs to and its
+    shape, where the piece starts in that tensor and its shape, and the file, offset and length
+    of its bytes. Non-tensor values (the optimizer's lr, betas ...) are stored as pickled bytes:
+    shape and start are None. Read in the kernel, no process group needed."""
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    rows = []
+    for index, stored in metadata.storage_data.items():
+        entry = metadata.state_dict_metadata[index.fqn]
+        chunk = next((chunk for chunk in getattr(entry, "chunks", ())
+                      if tuple(chunk.offsets) == tuple(index.offset or ())), None)
+        rows.append({"name": index.fqn, "file": stored.relative_path, "offset": stored.offset,
+                     "length": stored.length,
+                     "shape": tuple(entry.size) if hasattr(entry, "size") else None,
+                     "start": tuple(chunk.offsets) if chunk else None,
+                     "piece": tuple(chunk.sizes) if chunk else None})
+    return sorted(rows, key=lambda row: (row["file"], row["offset"]))
+
+
+def one_process_state(model, batches) -> dict:
+    """The reference: `model` trained in this process, a step per whole batch, with the same
+    AdamW; its state in full_state's form. No process group."""
+    model, optimizer, _, _ = build("one process", 1, model)
+    train(model, optimizer, batches, 0, 1)
+    return {"model": {name: value.detach().clone() for name, value in model.state_dict().items()},
+            "optimizer": {name: {key: value.clone() for key, value in
+                                 optimizer.state[parameter].items()}
+                          for name, parameter in model.named_parameters()}}
