@@ -321,7 +321,34 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}"):
 @pytest.mark.parametrize("mistake", [resumable_with(scheduler=False),
                                      resumable_with(rng_key="rng")])
 def test_resumable_checker_rejects_a_typical_mistake(mistake):
-    expect_rejection("resumable", mistake, "the losses after the kill, by step")
+    expect_rejection("resumable", mistake, "their losses, by step")
+
+
+def never_saves(rank, world_size, job, directory):
+    """Trains from scratch every time: it ends right, but the second run redid every step."""
+    from helpers.checkpoints_and_failures.sharded import build, full_state
+
+    model, optimizer, _, _ = build("fsdp", world_size, job.model())
+    lr_scheduler, sampler = job.scheduler(optimizer), job.sampler(rank, world_size)
+    torch.manual_seed(job.seed + rank)
+    losses = {}
+    for step in range(1, job.steps + 1):
+        epoch, offset = divmod(step - 1, job.steps_per_epoch(world_size))
+        batch = job.batch(sampler, epoch, offset)
+        optimizer.zero_grad()
+        loss = reference.lm_loss(model(batch.inputs), batch.targets)
+        loss.backward()
+        optimizer.step()
+        lr_scheduler.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses[step] = total.item() / world_size
+    return losses, full_state(model, optimizer)
+
+
+def test_resumable_checker_rejects_a_loop_that_starts_over():
+    expect_rejection("resumable", never_saves, "the steps the second run trained: expected "
+                                               "[7, 8, 9, 10]")
 
 
 def positional(dumps):

@@ -12,6 +12,12 @@ Each worker appends what it does to DIRECTORY/events.rank<r>.jsonl (started, eve
 save, killed), with the wall-clock time; rank 0 of the last attempt writes the whole final state
 to DIRECTORY/final.pt. From the kernel, `torchrun_job` starts that command, reads the agent's own
 log lines as they come, and returns everything for drawing.
+
+The agent keeps a key-value store (a TCP server), its rendezvous store, through which the workers
+find each other. In torch 2.13 it shares that store with the workers, and keeps one store across
+restarts: the restarted gloo workers can read the first attempt's addresses from it, and hang or
+fail in init_process_group (reported in pytorch/pytorch#135712, closed in 2024). With
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each attempt gets a store of its own; torchrun_job sets it.
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ def torchrun_job(directory, nproc: int = 4, max_restarts: int = 1, kill=None,
         command += ["--kill-rank", str(kill[0]), "--kill-after", str(kill[1])]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                    "LOGLEVEL": "INFO",  # the agent says what it does
-                   # each attempt a store of its own (see the module docstring)
+                   # each attempt a store of its own (the module docstring says why)
                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                    # rendezvous through a TCP store: one DNS query, given 1 s (launcher README)
                    "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1"),

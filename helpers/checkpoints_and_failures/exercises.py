@@ -54,10 +54,15 @@ JOB = WarmupJob()
 KILL_CASES = [(2,), (7,), (9,)]
 
 
+def _resumed_after(kill_after: int) -> int:
+    """The newest checkpoint when rank 1 dies: the last multiple of save_every it completed."""
+    return kill_after // JOB.save_every * JOB.save_every
+
+
 def _interrupted(function, kill_after):
     """Run `function(rank, world_size, job, directory)` on 2 ranks with rank 1 killed after step
-    `kill_after`, then again in new processes on the same directory, as torchrun would. Returns
-    the losses of the steps after the kill and the weights at the end, from the second run."""
+    `kill_after`, then again in new processes on the same directory, as torchrun would. Returns,
+    from the second run, the steps it trained, their losses, and the weights at the end."""
     with tempfile.TemporaryDirectory(prefix="helpers-resume-") as directory:
         try:
             run(function, 2, args=(replace(JOB, kill_after=kill_after), directory), timeout=60,
@@ -69,32 +74,40 @@ def _interrupted(function, kill_after):
                 raise
         else:
             return "the first run finished: did it load each step's batch with job.batch?"
-        out = run(function, 2, args=(JOB, directory), timeout=60, show_output=False)
-    losses, state = out[0]
-    return ({step: losses.get(step) for step in range(kill_after + 1, JOB.steps + 1)},
-            state["model"])
+        result = run(function, 2, args=(JOB, directory), timeout=60, show_output=False)[0]
+    if not (isinstance(result, (tuple, list)) and len(result) == 2
+            and isinstance(result[0], dict) and isinstance(result[1], dict)):
+        return (f"your function returned {type(result).__name__} {str(result)[:60]}; the task "
+                "asks for a tuple (losses, state)")
+    losses, state = result
+    return sorted(losses), losses, state.get("model")
 
 
 def _uninterrupted(kill_after):
     losses, parameters = one_process_losses(JOB, 2)
-    return ({step: losses[step] for step in range(kill_after + 1, JOB.steps + 1)}, parameters)
+    steps = list(range(_resumed_after(kill_after) + 1, JOB.steps + 1))
+    return steps, {step: losses[step] for step in steps}, parameters
 
 
 EXERCISES["resumable"] = Exercise(
     "resumable(rank, world_size, job, directory) trains `job` (a WarmupJob: the lesson's "
-    "Experiment with a warm-up scheduler) under FSDP for job.steps steps and returns (this run's "
-    "losses, {step: loss averaged over ranks}, and sharded.full_state(model, optimizer)). It may "
-    "be killed at any step; started again on the same directory, in new processes, it must end "
-    "exactly as a run that was never interrupted: the same loss at every step after the kill and "
-    "the same weights at the end. It saves at most every job.save_every steps",
+    "Experiment with a warm-up scheduler) under FSDP for job.steps steps, rank r drawing its "
+    "noise from torch's global RNG seeded with job.seed + r and its batches from "
+    "job.sampler(rank, world_size), as in the lesson's loop, and returns a tuple (losses, "
+    "state): this run's losses, {step: loss averaged over the ranks}, and "
+    "sharded.full_state(model, optimizer). It saves a checkpoint to `directory` after every "
+    "job.save_every-th step. The checker kills rank 1 while it loads a batch and starts the "
+    "function again, in new processes, on the same directory: that run must start after the "
+    "newest checkpoint and end exactly as a run that was never interrupted, with the same loss "
+    "at every step it trains and the same weights at the end",
     KILL_CASES,
     _uninterrupted,
     distributed=False,
     harness=_interrupted,
-    names=("the losses after the kill, by step", "the weights at the end"),
-    hint="what does step k + 1 depend on, besides the weights? Which of those changes from step "
-         "to step, on each rank? (A key of a DCP state that differs between ranks needs the "
-         "rank in its name.)",
+    names=("the steps the second run trained", "their losses, by step", "the weights at the end"),
+    hint="did the second run start after the newest checkpoint? What does step k + 1 depend on, "
+         "besides the weights, and which of those differs from rank to rank? (A key of a DCP "
+         "state that differs between ranks needs the rank in its name.)",
 )
 
 
@@ -153,9 +166,10 @@ OUT_OF_STEP = {
 }
 
 
-def _out_of_step_inputs(case):
+def _on_dumps(function, case):
+    """Calls the learner's function on the case's dumps (named by the case, not printed)."""
     world_size, steps, odd_rank, change = OUT_OF_STEP[case]
-    return (_dumps(world_size, steps, odd_rank, change),)
+    return function(_dumps(world_size, steps, odd_rank, change))
 
 
 EXERCISES["fell_out_of_step"] = Exercise(
@@ -167,7 +181,7 @@ EXERCISES["fell_out_of_step"] = Exercise(
     "other input sizes, or none at all)",
     [(case,) for case in OUT_OF_STEP],
     lambda case: OUT_OF_STEP[case][2],
-    inputs=_out_of_step_inputs,
+    harness=_on_dumps,
     distributed=False,
     hint="line the entries up by their 'collective_seq_id', not by their position in the list: "
          "a recorder keeps only its newest entries, and a rank that skipped one is one behind",

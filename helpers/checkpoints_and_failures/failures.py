@@ -1,11 +1,11 @@
 """When a rank dies, hangs or falls out of step (lesson 12,
 notebooks/12_checkpoints_and_failures.ipynb).
 
-A rank dies (SIGKILL: out of memory, a lost machine's process, a preemption). Its peers are in
-the middle of a collective with it. On one machine the kernel closes the dead process's sockets,
-and gloo tells each peer at once ("Connection closed by peer"). A rank that hangs instead (here
-SIGSTOP: frozen, sockets open, as a deadlocked or swapping process, or a machine whose network
-went silent) tells its peers nothing: they wait until their group's timeout.
+A rank dies (SIGKILL: out of memory, a preemption). Its peers are in the middle of a collective
+with it. The kernel closes a killed process's sockets, and gloo tells each peer at once
+("Connection closed by peer"), on this machine or another. A rank that hangs instead (here
+SIGSTOP: frozen, sockets open, as a deadlocked or swapping process), or a host or link that dies,
+tells its peers nothing: they wait until their group's timeout.
 
     peer_view_worker(rank, world_size, victim, step, how, timeout_s, directory)
         every rank all-reduces step after step; at `step` the victim is SIGKILLed or SIGSTOPped.
@@ -16,22 +16,24 @@ one; its peers then wait in a collective it never joins, or exchange the wrong t
 ways to find it, from the ranks' own records:
 
     TORCH_DISTRIBUTED_DEBUG=DETAIL   before every collective the ranks compare its fingerprint
-                                     (sequence number, op, shapes, dtypes): a mismatch raises at
-                                     once, naming both ranks' collectives (mismatch_worker)
+                                     (sequence number, op, tensor count, shapes, dtypes,
+                                     devices): a mismatch raises at once, naming both ranks'
+                                     collectives (mismatch_worker)
     dist.monitored_barrier           rank 0 waits for every rank, each with a timeout, and names
                                      the ranks that did not arrive (gloo only; late_rank_worker)
-    the flight recorder              TORCH_FR_BUFFER_SIZE=N keeps each rank's last N collectives;
-                                     torch._C._distributed_c10d._dump_fr_trace() returns them
+    the flight recorder              each rank keeps its last N collectives (TORCH_FR_BUFFER_SIZE,
+                                     default 2000; 0: off); flight_records() returns them
                                      (skipped_worker), compared in the kernel (records, compare)
 
 What the flight recorder records for gloo (torch 2.13, read from its dumps): each collective's
 sequence number in its group, its name ("gloo:all_reduce"), input and output sizes and dtypes,
 the group, the timeout, and the Python stack that issued it, down to the worker's own line. Its
 state stays "scheduled" and its start and completion times stay empty: gloo reports neither.
-On NCCL the same records also carry when each collective started and completed on the GPU, and
-the watchdog (a thread that polls the GPU's work, aborts the communicator when a collective
-outlives its timeout and then dumps every rank's recorder, with TORCH_NCCL_DUMP_ON_TIMEOUT=1) is
-GPU-only; not run here.
+On NCCL the records also carry when the watchdog saw each collective complete (and start, with
+TORCH_NCCL_ENABLE_TIMING=1). The watchdog is NCCL's alone, not run here: a thread that polls the
+GPU's work and, when a collective outlives its timeout, dumps the recorder (by default,
+TORCH_NCCL_DUMP_ON_TIMEOUT) and ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING's default, 3,
+without aborting the communicator; 1 aborts it first).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import time
 import torch
 import torch.distributed as dist
 
-FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "64"}  # env for run(): keep each rank's last 64
+FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "64"}  # env for run(): each rank's last 64 (of 2000)
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 
 
@@ -143,7 +145,9 @@ def skipped_worker(rank, world_size, steps, skipping_rank, skipped_step, timeout
 def flight_records() -> dict:
     """This rank's flight-recorder dump: torch._C._distributed_c10d._dump_fr_trace() unpickled,
     {"version", "pg_config", "pg_status", "entries": [one dict per collective, oldest first]}.
-    A private function: torch has no public one (its tool torchfrtrace reads the same dumps)."""
+    A private function: torch has no public one that returns the dump in the process
+    (torch.distributed.debug.start_debug_server serves it over HTTP; torchfrtrace reads dumps
+    written to files)."""
     return pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
 
 

@@ -5,9 +5,10 @@ Two ways to save a sharded model and its optimizer:
 
     full state dict   every piece gathered to rank 0 (get_model_state_dict and
                       get_optimizer_state_dict with full_state_dict=True, cpu_offload=True), which
-                      writes one file with torch.save: what lessons 06-07 do. Rank 0 needs the
-                      whole state in its memory, and writes every byte alone; loading, it reads
-                      every byte alone and broadcasts (broadcast_from_rank0=True).
+                      writes one file with torch.save, as lesson 06 saved DDP's model. Rank 0
+                      needs the whole state in its memory, and writes every byte alone; loading,
+                      it reads every byte alone and broadcasts each whole tensor, of which every
+                      rank keeps its shard (broadcast_from_rank0=True).
     torch.distributed.checkpoint (DCP)
                       every rank writes its own pieces (its shards of each DTensor) to its own
                       file, __<rank>_0.distcp, in parallel; rank 0 also writes .metadata, the map
@@ -157,7 +158,7 @@ def load_worker(rank, world_size, model, directory, how, layout="fsdp"):
                 state = torch.load(os.path.join(directory, FULL_FILE), weights_only=True)
                 read.append(Piece(FULL_FILE, "everything", 0,
                                   os.path.getsize(os.path.join(directory, FULL_FILE)), None, None))
-            # rank 0's whole state, broadcast piece by piece to the ranks that hold each shard
+            # each whole tensor broadcast from rank 0 to every rank, which keeps its shard
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             set_model_state_dict(model, state["model"] if rank == 0 else {}, options=options)
             set_optimizer_state_dict(model, optimizer, state["optimizer"] if rank == 0 else {},

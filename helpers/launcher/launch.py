@@ -321,17 +321,18 @@ def _dump_stacks(processes, ranks, out_dir) -> dict:
     for rank in ranks:
         with contextlib.suppress(ProcessLookupError):  # it has just ended
             os.kill(processes[rank].pid, _rank.STACK_DUMP_SIGNAL)
-    sizes, settled, give_up = {}, set(), time.monotonic() + STACK_DUMP_WAIT_S
+    stopped = {rank for rank in ranks if _stopped(processes[rank].pid)}  # they cannot answer
+    sizes, settled, give_up = {}, set(stopped), time.monotonic() + STACK_DUMP_WAIT_S
     while len(settled) < len(ranks) and time.monotonic() < give_up:
         time.sleep(0.05)
-        for rank in ranks:  # a dump is complete once it is non-empty and stopped growing
+        for rank in set(ranks) - stopped:  # a dump is complete once non-empty and not growing
             size = _size(_rank.stack_path(out_dir, rank))
             if size and size == sizes.get(rank):
                 settled.add(rank)
             sizes[rank] = size
     dumps = {}
     for rank in ranks:  # a rank that had not started yet has no file: an empty dump
-        if _stopped(processes[rank].pid):
+        if rank in stopped:
             dumps[rank] = report.STOPPED
         elif _size(_rank.stack_path(out_dir, rank)):
             with open(_rank.stack_path(out_dir, rank)) as stack_file:
