@@ -152,16 +152,27 @@ def test_a_resumed_run_equals_an_uninterrupted_one_and_one_process(tmp_path):
     assert resume.latest_checkpoint(str(tmp_path)) == (str(tmp_path / "step-0005"), 5)
 
 
-@pytest.mark.parametrize("piece, first_wrong_step", [("optimizer", 7), ("sampler", 6),
-                                                     ("rng", 6)])
-def test_each_piece_left_out_changes_the_resumed_run(tmp_path, piece, first_wrong_step):
+def each_experiment(rank, world_size, experiments, directories, stop_after=None):
+    """resumable_worker for each experiment in turn, in one launch."""
+    return [resume.resumable_worker(rank, world_size, experiment, directory,
+                                    stop_after=stop_after)
+            for experiment, directory in zip(experiments, directories)]
+
+
+def test_each_piece_left_out_changes_the_resumed_run(tmp_path):
     experiment = resume.Experiment()
     whole = uninterrupted(experiment)
-    second = resumed(dataclasses.replace(experiment, leave_out=(piece,)), str(tmp_path))
-    wrong = [step for step in second["losses"] if second["losses"][step] != whole["losses"][step]]
-    assert wrong[0] == first_wrong_step
-    # by more than rounding: a wrong batch or a restarted AdamW moves the loss by its own size
-    assert abs(second["losses"][wrong[0]] - whole["losses"][wrong[0]]) > 1e-6
+    first_wrong_step = {"optimizer": 7, "sampler": 6, "rng": 6}
+    leaky = [dataclasses.replace(experiment, leave_out=(piece,)) for piece in first_wrong_step]
+    directories = [str(tmp_path / piece) for piece in first_wrong_step]
+    run(each_experiment, 2, args=(leaky, directories), kwargs={"stop_after": 5},
+        show_output=False)
+    resumed_runs = run(each_experiment, 2, args=(leaky, directories), show_output=False)[0]
+    for (piece, step), second in zip(first_wrong_step.items(), resumed_runs):
+        wrong = [s for s in second["losses"] if second["losses"][s] != whole["losses"][s]]
+        assert wrong[0] == step, piece
+        # by more than rounding: a wrong batch or a restarted AdamW moves the loss by its own size
+        assert abs(second["losses"][step] - whole["losses"][step]) > 1e-6, piece
 
 
 def test_async_save_stages_one_copy_of_the_state_and_trains_the_same(tmp_path):
@@ -235,7 +246,7 @@ def test_a_rank_out_of_step_is_named_by_detail_and_monitored_barrier():
     assert sorted(failures.fingerprints(mismatch.value.message)) == [
         (mismatch.value.rank, 1, "ALLREDUCE", "[8]"), (2, 1, "BROADCAST", "[8]")]
     with pytest.raises(WorkerError) as late:
-        run(failures.late_rank_worker, 4, args=(3, 1.5, 0.5), show_output=False)
+        run(failures.extra_collective_worker, 4, args=(3, 0.5), show_output=False)
     assert late.value.rank == 0
     assert "Ranks 3 failed to pass monitoredBarrier" in late.value.message
 

@@ -20,7 +20,8 @@ ways to find it, from the ranks' own records:
                                      devices): a mismatch raises at once, naming both ranks'
                                      collectives (mismatch_worker)
     dist.monitored_barrier           rank 0 waits for every rank, each with a timeout, and names
-                                     the ranks that did not arrive (gloo only; late_rank_worker)
+                                     the ranks that did not arrive (gloo only;
+                                     extra_collective_worker)
     the flight recorder              each rank keeps its last N collectives (TORCH_FR_BUFFER_SIZE,
                                      default 2000; 0: off); flight_records() returns them
                                      (skipped_worker), compared in the kernel (records, compare)
@@ -112,12 +113,14 @@ def mismatch_worker(rank, world_size, odd_rank):
         dist.all_reduce(tensor)
 
 
-def late_rank_worker(rank, world_size, late_rank, late_s, timeout_s):
-    """`late_rank` is busy for `late_s` seconds (a slow data loader, a hung I/O call) before it
-    reaches a monitored_barrier that the others reach at once; rank 0 waits `timeout_s` for
-    each rank and raises, naming every rank that did not arrive (wait_all_ranks=True)."""
-    if rank == late_rank:
-        time.sleep(late_s)
+def extra_collective_worker(rank, world_size, odd_rank, timeout_s):
+    """`odd_rank` calls an all-reduce that no other rank calls (a statistic only it logs, say),
+    and waits in it; the others go on to a monitored_barrier, where rank 0 waits `timeout_s` for
+    each rank and raises, naming every rank that did not arrive (wait_all_ranks=True). The
+    extra all-reduce gives up later, at its group's timeout."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=4 * timeout_s))
+    if rank == odd_rank:
+        dist.all_reduce(torch.ones(1), group=group)
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 

@@ -116,7 +116,9 @@ def checkpoint_path(directory, step: int) -> str:
 def latest_checkpoint(directory) -> tuple:
     """(path, step) of the newest complete checkpoint in `directory`, or (None, 0). DCP writes
     .metadata last, once every rank has written its pieces: a checkpoint without it was cut off
-    (a rank died while saving), and is skipped."""
+    (a rank died while saving), and is skipped. A directory not made yet holds none."""
+    if not os.path.isdir(directory):
+        return None, 0
     steps = sorted(int(name.removeprefix("step-")) for name in os.listdir(directory)
                    if name.startswith("step-")
                    and os.path.exists(os.path.join(directory, name, ".metadata")))
