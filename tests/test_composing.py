@@ -51,6 +51,7 @@ def test_mesh_grid_puts_each_rank_where_the_formula_says():
         mesh.Grid(("dp", "tp"), (2, 2, 2))
 
 
+@pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 def test_mesh_groups_are_init_device_meshs():
     out = run(workers.grid_worker, 8, args=(("dp", "pp", "tp"), (2, 2, 2)), show_output=False)
     for rank, groups in enumerate(out):
@@ -59,6 +60,7 @@ def test_mesh_groups_are_init_device_meshs():
     assert out[5] == {"dp": ([1, 5], [1, 5]), "pp": ([5, 7], [5, 7]), "tp": ([4, 5], [4, 5])}
 
 
+@pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 def test_mesh_data_x_tensor_parallel_by_hand_trains_like_one_process():
     model, batches, single = lm_case()
     out = run(workers.dp_tp_worker, 4, args=(model, batches, 2), show_output=False)
@@ -71,6 +73,7 @@ def test_mesh_data_x_tensor_parallel_by_hand_trains_like_one_process():
         assert found["head.weight"][rank] == "whole"
 
 
+@pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 def test_mesh_data_x_tensor_parallel_with_torch_trains_like_one_process():
     model, batches, single = lm_case()
     out = run(workers.torch_dp_tp_worker, 4, args=(model, batches, 2), show_output=False)
@@ -87,6 +90,7 @@ def test_mesh_data_x_tensor_parallel_with_torch_trains_like_one_process():
     assert layouts["token_embedding.weight"] == (("dp",), ("Shard(dim=0)",), (64 // 2, 32))
 
 
+@pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 def test_mesh_data_x_pipeline_x_tensor_parallel_trains_like_one_process():
     model, batches, single = lm_case()
     out = run(workers.dp_tp_pp_worker, 8, args=(model, batches, (2, 2, 2)), show_output=False)

@@ -44,6 +44,7 @@ def one_process_generations(model, batches, prompt):
     return generated, trained.parameters
 
 
+@pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 @pytest.mark.parametrize("variant", weights.VARIANTS)
 def test_weights_inference_ranks_generate_like_one_process_after_every_step(variant):
     model, batches, prompt = weights_lm_case()
@@ -76,6 +77,7 @@ def delivered(num_trainers, num_inference, bucket_bytes=3000):
 TRAINERS_AND_INFERENCE = [(2, 2), (1, 3), (3, 1)]
 
 
+@pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 @pytest.mark.parametrize("num_trainers, num_inference", TRAINERS_AND_INFERENCE)
 def test_weights_every_variant_delivers_the_trainers_weights_exactly(num_trainers,
                                                                       num_inference):

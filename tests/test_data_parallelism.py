@@ -31,6 +31,7 @@ def mlp_and_batches(batch_size=8, steps=5):
             reference.mlp_data(seed=1, batch_size=batch_size, dim=16, steps=steps))
 
 
+@pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("strategy", workers.STRATEGIES)
 def test_every_strategy_trains_like_one_process(strategy, world_size):
@@ -249,6 +250,7 @@ def test_bytes_per_step_are_2_n_minus_1_over_n_of_the_gradients(world_size):
         assert result["bytes sent"] == 2 * (world_size - 1) / world_size * gradient_bytes
 
 
+@pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 @pytest.mark.parametrize("world_size, batch_size", [(2, 4), (4, 2)])
 def test_the_complete_loop_trains_like_one_process_and_its_checkpoint_reloads(world_size,
                                                                                batch_size):

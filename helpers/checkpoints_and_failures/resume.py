@@ -161,6 +161,13 @@ def resumable_worker(rank, world_size, experiment, directory, stop_after=None, o
     return {"losses": losses, "state": full_state(model, optimizer)}
 
 
+def each_worker(rank, world_size, experiments, directories, stop_after=None):
+    """resumable_worker for each experiment, in its directory, one after the other: several runs
+    in one launch. Returns their results in order."""
+    return [resumable_worker(rank, world_size, experiment, directory, stop_after=stop_after)
+            for experiment, directory in zip(experiments, directories)]
+
+
 def advance(position: dict, steps_per_epoch: int) -> None:
     """The sampler's position after one more batch: the next offset, or the next epoch's start."""
     position["offset"] += 1
