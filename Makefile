@@ -41,8 +41,7 @@ OTHER_CPU := ATEN_CPU_CAPABILITY=default
 # float32); lesson 04, timings (which nbval_sanitize.cfg replaces) and formulas in Python floats;
 # lesson 12, counts of bytes and pieces, messages, comparisons of two runs on the same kernels (bit
 # for bit), and float64 comparisons with one process (the reason float64 training runs are not
-# marked numerical). The notebooks' cells count as numerical there (conftest.py), so that they and
-# the numerical tests share one run.
+# marked numerical).
 ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_point.ipynb \
 	notebooks/04_measuring_communication.ipynb notebooks/12_checkpoints_and_failures.ipynb
 OTHER_CPU_NOTEBOOKS := $(filter-out $(ROUNDING_FREE),$(NOTEBOOKS))
@@ -54,9 +53,10 @@ NBVAL_ORDER := notebooks/12_checkpoints_and_failures.ipynb \
 test: setup lint
 	$(PY) -m pytest -n 2 tests --ignore=tests/test_browser.py
 	$(PY) -m pytest -n 2 --dist loadfile $(NBVAL) tests/test_browser.py $(NBVAL_ORDER)
-	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile -m "numerical and not once" \
-		-k "not checker" $(NBVAL) --nbval-skip-timings $(OTHER_CPU_NOTEBOOKS) tests \
+	$(OTHER_CPU) $(PY) -m pytest -n 2 -m "numerical and not once" -k "not checker" tests \
 		--ignore=tests/test_browser.py
+	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) --nbval-skip-timings \
+		$(OTHER_CPU_NOTEBOOKS)
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
 # launcher's tests and one notebook. `make test-python PYTHON=python3.13`

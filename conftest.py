@@ -1,8 +1,5 @@
 """Options for the notebooks' runs under nbval (make test).
 
-Every notebook cell is marked `numerical`: what a notebook prints are numbers, which make test's
-pass on other CPU kernels (`-m numerical`) compares again, beside the numerical unit tests.
-
 --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (a first line
 `# NBVAL_IGNORE_OUTPUT` and a `# (timings)` line under it) is not run when no later cell of its
 notebook needs a name it assigns. make test's second pass over the notebooks, on other CPU
@@ -21,9 +18,6 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if getattr(item, "cell", None) is not None:  # an nbval cell
-            item.add_marker(pytest.mark.numerical)
     if not config.getoption("--nbval-skip-timings"):
         return
     skip = pytest.mark.skip(reason="a timing nbval ignores: compared on no pass, run on the first")
