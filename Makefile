@@ -51,8 +51,9 @@ NBVAL_ORDER := notebooks/12_checkpoints_and_failures.ipynb \
 	$(filter-out notebooks/12_checkpoints_and_failures.ipynb,$(NOTEBOOKS))
 
 test: setup lint
-	$(PY) -m pytest -n 2 tests --ignore=tests/test_browser.py
-	$(PY) -m pytest -n 2 --dist loadfile $(NBVAL) tests/test_browser.py $(NBVAL_ORDER)
+	$(PY) -m pytest -n 2 --durations=12 tests --ignore=tests/test_browser.py
+	$(PY) -m pytest -n 2 --durations=12 --dist loadfile $(NBVAL) tests/test_browser.py \
+		$(NBVAL_ORDER)
 	$(OTHER_CPU) $(PY) -m pytest -n 2 -m "numerical and not once" -k "not checker" tests \
 		--ignore=tests/test_browser.py
 	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) --nbval-skip-timings \

@@ -325,6 +325,7 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}"):
 @pytest.mark.parametrize("mistake", [resumable_with(scheduler=False),
                                      resumable_with(rng_key="rng")])
 def test_resumable_checker_rejects_a_typical_mistake(mistake):
+    # each fails at the first kill: two launches
     expect_rejection("resumable", mistake, "their losses, by step")
 
 
