@@ -268,9 +268,10 @@ def test_the_launcher_sees_through_deprecated_wrappers_to_the_workers_line():
 
 # --- the exercises' checkers --------------------------------------------------------------------
 
-def resumable_with(scheduler=True, rng_key="rng.rank{rank}"):
-    """The reference solution, with one thing done wrong: the scheduler's state not saved, or
-    every rank's RNG state under one shared key (DCP then saves one rank's, for all)."""
+def resumable_with(scheduler=True, rng_key="rng.rank{rank}", checkpoints=True):
+    """The reference solution, with one thing done wrong: the scheduler's state not saved, every
+    rank's RNG state under one shared key (DCP then saves one rank's, for all), or no checkpoint
+    at all (every run starts over: it ends right, but the second run redoes every step)."""
     def resumable(rank, world_size, job, directory):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -292,7 +293,7 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}"):
             return held
 
         epoch = offset = 0
-        path, step = latest_checkpoint(directory)
+        path, step = latest_checkpoint(directory) if checkpoints else (None, 0)
         if path is not None:
             held = state(0, 0)
             dcp.load(held, checkpoint_id=path)
@@ -315,7 +316,7 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}"):
             total = loss.detach().clone()
             torch.distributed.all_reduce(total)
             losses[step] = total.item() / world_size
-            if step % job.save_every == 0:
+            if checkpoints and step % job.save_every == 0:
                 dcp.save(state(epoch, offset), checkpoint_id=checkpoint_path(directory, step))
         return losses, full_state(model, optimizer)
 
@@ -329,31 +330,9 @@ def test_resumable_checker_rejects_a_typical_mistake(mistake):
     expect_rejection("resumable", mistake, "their losses, by step")
 
 
-def never_saves(rank, world_size, job, directory):
-    """Trains from scratch every time: it ends right, but the second run redid every step."""
-    from helpers.checkpoints_and_failures.sharded import build, full_state
-
-    model, optimizer, _, _ = build("fsdp", world_size, job.model())
-    lr_scheduler, sampler = job.scheduler(optimizer), job.sampler(rank, world_size)
-    torch.manual_seed(job.seed + rank)
-    losses = {}
-    for step in range(1, job.steps + 1):
-        epoch, offset = divmod(step - 1, job.steps_per_epoch(world_size))
-        batch = job.batch(sampler, epoch, offset)
-        optimizer.zero_grad()
-        loss = reference.lm_loss(model(batch.inputs), batch.targets)
-        loss.backward()
-        optimizer.step()
-        lr_scheduler.step()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses[step] = total.item() / world_size
-    return losses, full_state(model, optimizer)
-
-
 def test_resumable_checker_rejects_a_loop_that_starts_over():
-    expect_rejection("resumable", never_saves, "the steps the second run trained: expected "
-                                               "[7, 8, 9, 10]")
+    expect_rejection("resumable", resumable_with(checkpoints=False),
+                     "the steps the second run trained: expected [7, 8, 9, 10]")
 
 
 def positional(dumps):
