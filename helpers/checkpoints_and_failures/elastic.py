@@ -100,6 +100,8 @@ def torchrun_job(directory, nproc: int = 4, max_restarts: int = 1, kill=None,
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     command = [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+               # the agent's own files go with the job's, not to a new folder in /tmp
+               "--log-dir", os.path.join(directory, "torchelastic"),
                "-m", "helpers.checkpoints_and_failures.elastic", str(directory),
                "--steps", str(experiment.steps), "--save-every", str(experiment.save_every)]
     if kill is not None:
