@@ -322,7 +322,9 @@ def test_results_pickle_round_trip():
 def test_torchrun_runs_the_same_worker(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     completed = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "helpers.launcher.torchrun",
+        # --log-dir: the agent's own files stay in tmp_path, not in a new /tmp/torchelastic_*
+        [torchrun, "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+         "-m", "helpers.launcher.torchrun",
          "helpers.processes_and_groups.workers:halves_worker"],
         cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )
@@ -358,8 +360,9 @@ def test_two_torchrun_nodes_meet_through_c10d_rendezvous(tmp_path):
                "--rdzv-id", "course-test", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "-m", "helpers.launcher.torchrun",
                "helpers.processes_and_groups.workers:halves_worker"]
-    nodes = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    nodes = [subprocess.Popen(command[:1] + ["--log-dir", str(tmp_path / f"logs{node}")]
+                              + command[1:], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in range(2)]
     lines = []
     for node in nodes:
         stdout, stderr = node.communicate(timeout=180)
