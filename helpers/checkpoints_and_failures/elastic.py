@@ -97,6 +97,9 @@ def torchrun_job(directory, nproc: int = 4, max_restarts: int = 1, kill=None,
     """Run `python -m helpers.checkpoints_and_failures.elastic` under torchrun on this machine:
     `nproc` workers, `max_restarts` restarts, `kill` = (rank, step) or None. Returns a Job."""
     experiment = experiment or Experiment()
+    if experiment != Experiment(steps=experiment.steps, save_every=experiment.save_every):
+        raise ValueError("the torchrun script takes an Experiment's steps and save_every only; "
+                         f"{experiment} sets more")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     command = [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",

@@ -52,6 +52,7 @@ class Experiment:
     sequences: int = 32  # the dataset; an epoch is sequences / (ranks x batch_size) steps
     batch_size: int = 4
     noise: float = 0.25  # the fraction of input tokens each rank replaces with random ones
+    vocab: int = 64  # the model's and the data's
     seed: int = 0
     leave_out: tuple = ()  # pieces of OPTIONAL the checkpoint leaves out (to see what breaks)
 
@@ -61,7 +62,7 @@ class Experiment:
             raise ValueError(f"leave_out may name {OPTIONAL}, not {sorted(unknown)}")
 
     def model(self):
-        return reference.make_lm(seed=self.seed).double()
+        return reference.make_lm(vocab=self.vocab, seed=self.seed).double()
 
     def sampler(self, rank: int, world_size: int) -> DistributedSampler:
         return DistributedSampler(range(self.sequences), num_replicas=world_size, rank=rank,
@@ -72,10 +73,10 @@ class Experiment:
         global RNG: each input token replaced by a random one with probability `noise`."""
         sampler.set_epoch(epoch)
         indices = list(sampler)[offset * self.batch_size:(offset + 1) * self.batch_size]
-        data = reference.lm_data(seed=self.seed, batch_size=self.sequences)[0]
+        data = reference.lm_data(seed=self.seed, batch_size=self.sequences, vocab=self.vocab)[0]
         inputs = data.inputs[indices].clone()
         noisy = torch.rand(inputs.shape) < self.noise
-        inputs[noisy] = torch.randint(0, 64, (int(noisy.sum()),))
+        inputs[noisy] = torch.randint(0, self.vocab, (int(noisy.sum()),))
         return reference.Batch(inputs, data.targets[indices])
 
     def steps_per_epoch(self, world_size: int) -> int:

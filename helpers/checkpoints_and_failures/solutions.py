@@ -12,6 +12,7 @@ from helpers.checkpoints_and_failures.resume import (
     training_state,
 )
 from helpers.checkpoints_and_failures.sharded import build, full_state
+from helpers.composing.workers import mean_over
 from helpers.reference import lm_loss
 
 
@@ -38,9 +39,7 @@ def resumable(rank, world_size, job, directory):
         scheduler.step()
         step += 1
         advance(position, job.steps_per_epoch(world_size))
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses[step] = total.item() / world_size
+        losses[step] = mean_over(loss.item(), group=None)
         if step % job.save_every == 0:
             state = training_state(model, optimizer, position)
             state["scheduler"] = scheduler.state_dict()
