@@ -3,8 +3,11 @@ side in one run.
 
     python benchmarks/launch.py [--world-sizes 2 4 8] [--many 200]
 
-1. For each N: the first launch of helpers.run (it starts the worker pool, once per kernel), the
-   median of later ones, and the same for mp.spawn. Both join a gloo group of N ranks and return.
+1. For each N: the floor, the median of later launches of helpers.run and their ratio, taken in
+   turns; then run's first launch (it starts the worker pool, once per kernel) and mp.spawn's. The
+   floor is the same forkserver forking N ranks that only join a gloo group and exit
+   (helpers.launcher.rank.join_and_leave): what is left of run's time is its own work (pickling,
+   output capture, results, the finish wait). A regression shows as a ratio, on any machine.
 2. At 4 ranks, later launches of workers that lessons 06-10 run: one that imports torch's
    parallelism modules (DDP, FSDP, tensor parallel, pipelining, distributed optimizers), measured
    here and in a pool that preloads torch alone (a second process, --preload torch); and one that
@@ -19,13 +22,16 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers import run, spawn
 from helpers.launcher import pool
+from helpers.launcher.rank import join_and_leave
 
 
 def join_and_return(rank, world_size):
@@ -69,6 +75,16 @@ def time_mp_spawn(world_size):
     return seconds(lambda: mp.spawn(spawn_entry, args=(world_size, free_port()), nprocs=world_size))
 
 
+def time_floor(world_size):
+    """N ranks forked from run's own pool that join a group and exit, nothing else."""
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        with pool.main_module_kept_from_ranks():
+            return seconds(lambda: mp.start_processes(
+                join_and_leave, args=(store, world_size), nprocs=world_size,
+                start_method="forkserver"))
+
+
 def time_run(world_size, worker=join_and_return):
     return seconds(lambda: run(worker, world_size, show_output=False))
 
@@ -109,18 +125,29 @@ def main():
                                   for _ in range(options.repeats)])))
         return
 
-    print(f"{os.cpu_count()} cores; median of later launches, in seconds\n")
-    header = (f"{'ranks':>5} | {'run first':>9} {'run later':>9} | {'spawn first':>11} "
-              f"{'spawn later':>11} | {'spawn/run':>9}")
-    print(f"helpers.run against plain mp.spawn\n{header}\n{'-' * len(header)}")
+    # The floor's ranks find gloo on loopback, as run's do: the pool, started by the first run
+    # below, inherits this.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", next(
+        name for _, name in socket.if_nameindex() if name.startswith("lo")))
+    print(f"{os.cpu_count()} cores, torch {torch.__version__}; median of later launches, "
+          f"in seconds\n")
+    header = (f"{'ranks':>5} | {'floor':>6} {'run':>6} {'run/floor':>9} | {'run first':>9} | "
+              f"{'spawn first':>11} {'spawn later':>11} {'spawn/run':>9}")
+    print(f"helpers.run against its floor and against plain mp.spawn\n{header}\n"
+          f"{'-' * len(header)}")
     for world_size in options.world_sizes:
         run_first = time_run(world_size)
-        run_later = statistics.median(time_run(world_size) for _ in range(options.repeats))
+        floors, runs = [], []
+        for _ in range(options.repeats):  # in turns, so that the machine's load falls on both
+            floors.append(time_floor(world_size))
+            runs.append(time_run(world_size))
+        floor, run_later = statistics.median(floors), statistics.median(runs)
         spawn_first = time_mp_spawn(world_size)
         spawn_later = statistics.median(time_mp_spawn(world_size)
                                         for _ in range(options.spawn_repeats))
-        print(f"{world_size:>5} | {run_first:>9.3f} {run_later:>9.3f} | {spawn_first:>11.2f} "
-              f"{spawn_later:>11.2f} | {spawn_later / run_later:>8.0f}x", flush=True)
+        print(f"{world_size:>5} | {floor:>6.3f} {run_later:>6.3f} {run_later / floor:>8.2f}x | "
+              f"{run_first:>9.3f} | {spawn_first:>11.2f} {spawn_later:>11.2f} "
+              f"{spawn_later / run_later:>8.0f}x", flush=True)
 
     cases = {
         "run, joins and returns": summary(time_run(4) for _ in range(options.repeats)),

@@ -2,6 +2,7 @@
 here."""
 
 import importlib
+import json
 import multiprocessing.resource_tracker
 import os
 import pathlib
@@ -102,6 +103,30 @@ def test_cpu_device_and_threads_fit_the_cores():
     out = run(device_worker, 2, show_output=False)
     cores = os.cpu_count()
     assert out.results == [("cpu", max(1, cores // 2))] * 2
+
+
+def _modules_worker():
+    """A worker cloudpickle ships by value (a nested function), so that unpickling it imports no
+    test module: what it sees in sys.modules is what the rank's own start imported."""
+    def modules(rank, world_size):
+        return sorted(sys.modules)
+    return modules
+
+
+def test_a_rank_imports_nothing_the_pool_did_not_preload():
+    """A launch is a fork, not an import: every module a rank needs to join and return is already
+    in the forkserver (a rank entry in the kernel-side launch.py cost every launch 30-40 ms)."""
+    from helpers.launcher.pool import FORKSERVER_PRELOAD
+
+    code = ("import importlib, json, multiprocessing.forkserver, sys\n"
+            f"for name in {FORKSERVER_PRELOAD!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    preloaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True, cwd=REPO).stdout
+    out = run(_modules_worker(), 2, show_output=False)
+    for rank in range(2):
+        assert set(out[rank]) - set(json.loads(preloaded)) == set()
 
 
 @pytest.mark.parametrize("failing_rank", [0, 2])

@@ -259,22 +259,13 @@ def _start(job: _rank.Job, start_method: str):
     try:
         with main_module_kept_from_ranks():
             context = torch.multiprocessing.start_processes(
-                _rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
+                _rank.rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
                 start_method=start_method,
             )
     finally:
         for sender in senders:  # the ranks hold their own copies now
             sender.close()
     return context.processes, list(receivers)
-
-
-def _rank_entry(rank, job, senders):
-    # start_processes hands every rank the same arguments: keep only this rank's pipe open, so
-    # that a rank which dies leaves its pipe with no writer (the parent reads EOF at once).
-    for other, sender in enumerate(senders):
-        if other != rank:
-            sender.close()
-    _rank.rank_main(rank, job, senders[rank])
 
 
 def _collect(processes, connections, deadline):

@@ -13,11 +13,13 @@ import multiprocessing.forkserver
 import sys
 import threading
 
-# Imported once by the forkserver, so that no rank pays for them: torch, and the parallelism
-# modules of lessons 06-10 (together about 1.5 s more on one core; a rank importing them after the
-# fork paid it on every launch).
+# Imported once by the forkserver, so that no rank pays for them: torch, the parallelism modules
+# of lessons 06-10 (together about 1.5 s more on one core; a rank importing them after the fork
+# paid it on every launch), and what a new rank needs to unpickle its pipe (popen_forkserver).
+# A rank that joins a group and returns imports nothing more (tests/test_launcher.py).
 FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "cloudpickle", "helpers.launcher.rank",
+    "multiprocessing.popen_forkserver",
     "torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
     "torch.distributed.pipelining", "torch.distributed.optim",
 ]

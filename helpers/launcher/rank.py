@@ -72,6 +72,20 @@ def stack_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.stack")
 
 
+def rank_entry(rank: int, job: Job, senders: list) -> None:
+    """What `torch.multiprocessing.start_processes` calls in each rank.
+
+    It lives here, in a module the forkserver preloads, so that unpickling it in a new rank imports
+    nothing: a rank entry in the kernel-side `launch` made every rank import the launcher, its
+    report and `filelock`, 30-40 ms on every launch (tests/test_launcher.py checks it).
+    start_processes hands every rank the same arguments: only this rank's pipe is kept open, so that
+    a rank which dies leaves its pipe with no writer (the parent reads EOF at once)."""
+    for other, sender in enumerate(senders):
+        if other != rank:
+            sender.close()
+    rank_main(rank, job, senders[rank])
+
+
 def rank_main(rank: int, job: Job, result_conn) -> None:
     """Entry point of one rank's process (called by torch.multiprocessing.start_processes)."""
     os.setpgrp()  # own process group: the parent can kill this rank and anything it started
@@ -212,6 +226,19 @@ def _init_process_group(rank: int, job: Job) -> None:
         timeout=timeout,
         device_id=device_id,
     )
+
+
+def join_and_leave(rank: int, store_file: str, world_size: int) -> None:
+    """The least a rank forked from the pool can do: join a gloo group through a file store, wait
+    until every rank has joined (one that left at once could cut a peer's handshake), and leave.
+    benchmarks/launch.py starts these from the same forkserver to measure the floor that `run`'s
+    own work (pickling, output, results, errors) adds to."""
+    store = dist.FileStore(store_file, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    store.add("joined", 1)
+    while store.add("joined", 0) < world_size:
+        time.sleep(0.002)
+    os._exit(0)
 
 
 class _ByValuePickler(cloudpickle.Pickler):
