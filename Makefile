@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab test test-python lint notebooks figures benchmark clean
+.PHONY: setup lab test soak other-cpu ci test-python lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -18,46 +18,39 @@ $(INSTALLED): requirements.txt pyproject.toml
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
-# The linter, then the unit tests, then every notebook re-executed and compared with its committed
-# outputs (nbval) with the real-browser test. Two pytest workers (pytest-xdist): much of a test's
-# time is ranks waiting for each other or for a timeout, which the other worker fills. Each
-# notebook's cells stay on one worker, in order (--dist loadfile).
-#
-# Then the same notebooks, and the tests whose results are numbers, again on other CPU kernels:
-# ATEN_CPU_CAPABILITY=default makes PyTorch run its kernels without vector instructions, which sum
-# and round in other orders, as another CPU would. The outputs and tolerances must not care
-# (helpers/tolerance.py). That pass leaves out the timing cells whose output nbval ignores and whose
-# names no later cell needs (conftest.py): they compare nothing there.
+# The tiers: each is one pytest run on two workers (pytest-xdist; much of a test's time is ranks
+# waiting for each other or for a timeout, which the other worker fills). Each file, a notebook's
+# cells above all, runs on one worker in order (--dist loadfile). Slowest first, in the order
+# given: the browser test and the longest files start at once, short ones fill in behind them.
+PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=12
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
-# The tests whose results are numbers declare `pytestmark = pytest.mark.numerical` (a whole file)
-# or `@pytest.mark.numerical` (one test: exact counts of bytes or FLOPs need no second run); the
-# checkers' tests among them (their messages, not numbers) run once, and so do the tests a whole-file
-# mark would take but that no rounding can change (`@pytest.mark.once`). A whole training run
-# compared in float64 (reference.in_float64) is not marked: its tolerance, assert_close's 1e-7, is
-# a million times what its rounding reaches (helpers/tolerance.py), on any kernels.
-OTHER_CPU := ATEN_CPU_CAPABILITY=default
-# Four notebooks are left out of that second pass, as no rounding can change what they print:
-# lessons 01 and 02 print ranks, groups, messages and tensors of small whole numbers (exact in
-# float32); lesson 04, timings (which nbval_sanitize.cfg replaces) and formulas in Python floats;
-# lesson 12, counts of bytes and pieces, messages, comparisons of two runs on the same kernels (bit
-# for bit), and float64 comparisons with one process (the reason float64 training runs are not
-# marked numerical).
+SLOWEST_FIRST := tests/test_browser.py notebooks/12_checkpoints_and_failures.ipynb \
+	tests/test_launcher.py notebooks/09_pipeline_parallelism.ipynb \
+	notebooks/07_zero_and_fsdp.ipynb tests/test_fitting_a_model.py
+# Notebooks no rounding can change (whole numbers, timings nbval ignores, counts, messages,
+# bit-for-bit and float64 comparisons): the other-CPU tier leaves them out.
 ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_point.ipynb \
 	notebooks/04_measuring_communication.ipynb notebooks/12_checkpoints_and_failures.ipynb
-OTHER_CPU_NOTEBOOKS := $(filter-out $(ROUNDING_FREE),$(NOTEBOOKS))
-# The slowest notebook first, so that the two workers' shares end together (the browser test and
-# lesson 12 start at once; short notebooks fill in behind them).
-NBVAL_ORDER := notebooks/12_checkpoints_and_failures.ipynb \
-	$(filter-out notebooks/12_checkpoints_and_failures.ipynb,$(NOTEBOOKS))
 
+# Does the course work? The linter, every test but the soaks, every notebook against its
+# committed outputs (nbval), the slides in a real browser.
 test: setup lint
-	$(PY) -m pytest -n 2 --durations=12 tests --ignore=tests/test_browser.py
-	$(PY) -m pytest -n 2 --durations=12 --dist loadfile $(NBVAL) tests/test_browser.py \
-		$(NBVAL_ORDER)
-	$(OTHER_CPU) $(PY) -m pytest -n 2 -m "numerical and not once" -k "not checker" tests \
-		--ignore=tests/test_browser.py
-	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile $(NBVAL) --nbval-skip-timings \
-		$(OTHER_CPU_NOTEBOOKS)
+	$(PYTEST) -m "not soak" $(NBVAL) $(SLOWEST_FIRST) $(NOTEBOOKS) tests
+
+# Rare faults, slow by design: repetition, races between processes, real torchrun jobs.
+soak: setup
+	$(PYTEST) -m soak tests
+
+# Another CPU's rounding: PyTorch's kernels without vector instructions sum in other orders. The
+# tests marked numerical (not those marked once, nor the checkers': messages) and the notebooks
+# rounding can change; the timing cells nbval ignores are not run again (conftest.py).
+other-cpu: setup
+	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "notebook or (numerical and not once)" \
+		-k "not checker" $(NBVAL) --nbval-skip-timings \
+		$(filter-out $(ROUNDING_FREE),$(SLOWEST_FIRST) $(NOTEBOOKS)) tests
+
+# Every tier on this Python (.ci/run adds another Python's).
+ci: test soak other-cpu
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
 # launcher's tests and one notebook. `make test-python PYTHON=python3.13`

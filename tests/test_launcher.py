@@ -239,6 +239,7 @@ def _open_fds():
     return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.soak  # repetition: a leak or a rare abort shows over 50 launches
 def test_nothing_is_left_behind_after_50_launches_an_error_and_a_timeout(tmp_path, monkeypatch):
     run(all_reduce_worker, 2, args=(0.0,), show_output=False)  # forkserver is up
     # A private temp dir, so that other programs using /tmp meanwhile cannot confuse the count.
@@ -321,6 +322,7 @@ def test_worker_defined_in_main_script_runs(tmp_path):
     assert stdout.strip() == _expected_script_output(3), stderr
 
 
+@pytest.mark.soak  # a race between two kernels, in fresh interpreters
 def test_two_processes_launching_at_once_both_succeed(tmp_path):
     first = _run_script(tmp_path, "first.py", 2)
     second = _run_script(tmp_path, "second.py", 4)
@@ -374,6 +376,7 @@ def test_every_documented_torchrun_target_exists():
         assert callable(getattr(importlib.import_module(module), function)), target
 
 
+@pytest.mark.soak  # two real torchrun agents
 def test_two_torchrun_nodes_meet_through_c10d_rendezvous(tmp_path):
     """Two torchrun processes on this machine act as two nodes of 2 processes each; the c10d
     rendezvous gives them different node ranks, so the four processes are global ranks 0-3."""
@@ -489,7 +492,10 @@ UNGUARDED_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["python - < script", "python script.py", "python -m script"])
+# Each starts a fresh interpreter (seconds): one way in make test, the others in the soak tier.
+@pytest.mark.parametrize("how", [pytest.param("python - < script", marks=pytest.mark.soak),
+                                 "python script.py",
+                                 pytest.param("python -m script", marks=pytest.mark.soak)])
 def test_a_script_without_a_main_guard_runs_once(how, tmp_path):
     """The ranks do not re-run the main module, however python was given it."""
     (tmp_path / "script.py").write_text(UNGUARDED_SCRIPT)

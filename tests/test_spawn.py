@@ -36,6 +36,7 @@ def test_a_tutorial_style_worker_runs_unchanged(world_size):
         torch.testing.assert_close(weight, expected_tutorial_weight(world_size))
 
 
+@pytest.mark.soak  # repetition: the deadlock hung 2 launches in 12
 def test_a_ddp_model_that_outlives_its_group_never_hangs_the_exit():
     # tutorial_style_worker destroys the group in cleanup() while its DDP model is alive; when the
     # model goes at the return, torch 2.13 can deadlock in ~ProcessGroupGloo: 2 launches in 12
@@ -199,6 +200,7 @@ def test_the_lectures_collective_operations_run_from_a_script(tmp_path):
                 f"output = {shards}") in completed.stdout
 
 
+@pytest.mark.soak  # a race between two scripts, in fresh interpreters
 def test_two_scripts_on_the_lectures_fixed_port_take_turns(tmp_path):
     """The lecture's setup() binds port 15623: two spawns at once (two notebooks, two test
     workers) would collide; spawn() makes them take turns."""
@@ -230,6 +232,7 @@ TWO_AT_ONCE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.soak  # a race between two scripts, in fresh interpreters
 def test_two_launches_at_once_pick_different_ports(tmp_path):
     script = tmp_path / "two.py"
     script.write_text(TWO_AT_ONCE_SCRIPT)
