@@ -366,7 +366,8 @@ def test_every_documented_torchrun_target_exists():
     lesson 01 name a worker that imports."""
     root = pathlib.Path(__file__).resolve().parent.parent
     texts = [(root / path).read_text() for path in (
-        "helpers/launcher/torchrun.py", "README.md", "notebooks/01_processes_and_groups.ipynb")]
+        "helpers/launcher/torchrun.py", "helpers/launcher/README.md",
+        "notebooks/01_processes_and_groups.ipynb")]
     targets = {target for text in texts
                for target in re.findall(r"-m helpers\.launcher\.torchrun (helpers[\w.]*:\w+)",
                                         text)}
