@@ -39,11 +39,11 @@ def _free_port():
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """JupyterLab on loopback with a token, serving copies of the lessons, with its own settings;
-    one server for the module's tests (each opens its own lesson, in a kernel of its own)."""
-    tmp_path = tmp_path_factory.mktemp("lab")
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab on loopback with a token, serving copies of the lessons, with its own settings.
+    One per test: a server shared by the tests restores the last test's tabs into the next page,
+    whose locators then find the other lesson's cells."""
     for name in ("01_processes_and_groups.ipynb", "05_how_all_reduce_works.ipynb",
                  "06_data_parallelism.ipynb"):
         shutil.copy(REPO / "notebooks" / name, tmp_path / name)
