@@ -212,15 +212,17 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# The learning rate every lesson trains with, unless it says otherwise.
+LR = 1e-2
 # name -> (class, settings): a class and its settings, for code that builds its own inner
-# optimizer (lesson 07's ShardedOptimizer)
+# optimizer (lesson 07's ShardedOptimizer, PyTorch's ZeroRedundancyOptimizer)
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"weight_decay": 0.01}),
     "sgd": (torch.optim.SGD, {"momentum": 0.9}),
 }
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params, lr: float = LR) -> torch.optim.Optimizer:
     """The course's optimizers: AdamW (weight decay 0.01) and SGD (momentum 0.9)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {list(OPTIMIZERS)}")
@@ -235,7 +237,7 @@ class TrainingRun:
 
 
 def train(model: nn.Module, batches: list, loss_fn, optimizer: str = "adamw",
-          lr: float = 1e-2, max_grad_norm: float | None = None) -> TrainingRun:
+          lr: float = LR, max_grad_norm: float | None = None) -> TrainingRun:
     """The single-process reference: one step per batch (forward, loss, backward, optimizer step)
     on a copy of `model`, which is left as it was. `max_grad_norm`: clip the gradient to this
     global norm before each step (torch.nn.utils.clip_grad_norm_)."""
@@ -295,7 +297,7 @@ def with_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def train_slices(model: nn.Module, batches: list, loss_fn, world_size: int,
-                 optimizer: str = "adamw", lr: float = 1e-2) -> TrainingRun:
+                 optimizer: str = "adamw", lr: float = LR) -> TrainingRun:
     """Data parallelism computed in one process: each step, every rank's slice of the batch goes
     through one copy of the model, the slices' gradients are summed (in the parameters' float32)
     and divided by `world_size`, then the optimizer steps. With float32 compute this is

@@ -73,12 +73,12 @@ def test_a_full_state_dict_is_written_and_read_by_rank_0_alone(tmp_path):
 
 # --- resharding ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout, ranks", [("fsdp", 2), ("dp×tp", 4), ("one process", 1)])
+@pytest.mark.parametrize("layout, ranks", [("fsdp", 2), ("dp_tp", 4), ("one_process", 1)])
 def test_a_4_rank_fsdp_checkpoint_loads_into_another_layout(checkpoint, layout, ranks):
     directory, out = checkpoint
     model, batches = model_and_batches()
-    loaded = run(sharded.load_worker, ranks, args=(model, directory, "dcp", layout),
-                 show_output=False)
+    loaded = run(sharded.load_worker, ranks, show_output=False,
+                 kwargs=dict(model=model, directory=directory, how="dcp", layout=layout))
     for rank in range(ranks):
         assert_same_state(loaded[rank]["state"], out[0]["state"])
     torch.testing.assert_close(loaded[0]["state"], sharded.one_process_state(model, batches))
@@ -90,7 +90,7 @@ def test_a_4_rank_fsdp_checkpoint_loads_into_another_layout(checkpoint, layout, 
             if piece.name == SHOWN:
                 held[tuple(slice(s, s + n) for s, n in zip(piece.start, piece.sizes))] += 1
         expected = torch.zeros(32, 128, dtype=torch.int)
-        if layout == "dp×tp":
+        if layout == "dp_tp":
             dp, tp = divmod(rank, 2)
             expected[16 * dp:16 * (dp + 1), 64 * tp:64 * (tp + 1)] = 1
         else:
@@ -99,7 +99,7 @@ def test_a_4_rank_fsdp_checkpoint_loads_into_another_layout(checkpoint, layout, 
         assert torch.equal(held, expected), rank
         files = {piece.file for piece in loaded[rank]["read"] if piece.name == SHOWN}
         expected_files = ({f"__{2 * dp}_0.distcp", f"__{2 * dp + 1}_0.distcp"}
-                          if layout == "dp×tp" else
+                          if layout == "dp_tp" else
                           {f"__{r}_0.distcp" for r in range(4 // ranks * rank,
                                                             4 // ranks * (rank + 1))})
         assert files == expected_files

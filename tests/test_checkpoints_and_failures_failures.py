@@ -19,7 +19,8 @@ def test_a_killed_ranks_peers_learn_from_the_connection_a_frozen_ones_at_the_tim
     # The killed rank's peers are told by the broken connection, not by their group's timeout:
     # the error says so, and with a timeout of 60 s the wait stays far below it on any load.
     with pytest.raises(WorkerError) as killed:
-        run(failures.peer_view_worker, 3, args=(2, 3, "SIGKILL", 60, str(tmp_path / "kill")),
+        run(failures.peer_view_worker, 3, kwargs=dict(
+            victim=2, step=3, how="SIGKILL", timeout_s=60, directory=str(tmp_path / "kill")),
             show_output=False)
     assert killed.value.rank == 2 and killed.value.message == "died from signal SIGKILL"
     views = failures.peer_views(str(tmp_path / "kill"))
@@ -28,7 +29,8 @@ def test_a_killed_ranks_peers_learn_from_the_connection_a_frozen_ones_at_the_tim
     assert all(view["waited"] < 60 for view in views)
     # A frozen rank breaks nothing: its peers wait out their timeout (1 s), never less.
     with pytest.raises(WorkerTimeout) as frozen:
-        run(failures.peer_view_worker, 3, args=(2, 3, "SIGSTOP", 1, str(tmp_path / "stop")),
+        run(failures.peer_view_worker, 3, kwargs=dict(
+            victim=2, step=3, how="SIGSTOP", timeout_s=1, directory=str(tmp_path / "stop")),
             timeout=3, show_output=False)
     assert frozen.value.where[2].startswith("stopped (by SIGSTOP")
     views = failures.peer_views(str(tmp_path / "stop"))
@@ -49,8 +51,8 @@ def test_a_rank_out_of_step_is_named_by_detail_and_monitored_barrier():
 
 
 def test_the_flight_recorder_shows_which_rank_fell_out_of_step():
-    dumps = run(failures.skipped_worker, 4, args=(3, 2, 1, 1), env=failures.FLIGHT_RECORDER,
-                show_output=False)
+    dumps = run(failures.skipped_worker, 4, env=failures.FLIGHT_RECORDER, show_output=False,
+                kwargs=dict(steps=3, skipping_rank=2, skipped_step=1, timeout_s=1))
     # 3 collectives a step; rank 2 skips step 1's loss all-reduce (#6), so its #6 is step 2's
     # all-gather while the others' #6 is the loss all-reduce
     rows = failures.compare(list(dumps))
@@ -65,7 +67,8 @@ def test_the_flight_recorder_shows_which_rank_fell_out_of_step():
 
 def test_the_launcher_sees_through_deprecated_wrappers_to_the_workers_line():
     with pytest.raises(WorkerTimeout) as hung:
-        run(failures.skipped_worker, 4, args=(3, 1, 0, 60), timeout=2, show_output=False)
+        run(failures.skipped_worker, 4, timeout=2, show_output=False, kwargs=dict(
+            steps=3, skipping_rank=1, skipped_step=0, timeout_s=60))
     assert "all_gather_into_tensor(), called from skipped_worker at" in hung.value.where[1]
     assert "all_reduce(), called from skipped_worker at" in hung.value.where[0]
 

@@ -1,7 +1,7 @@
-"""The package's shape, checked: no import cycles; a lesson imports another lesson only for a
-strategy the course builds on; the ranks never load matplotlib, ipywidgets or the launcher's
-kernel side; each lesson's
-docstring names exactly its files."""
+"""The package's shape, checked: no import cycles; a lesson takes from another lesson only the names
+it declares it builds on (a strategy, a formula), never a utility; the ranks never load
+matplotlib, ipywidgets or the launcher's kernel side; each lesson's docstring names exactly its
+files."""
 
 import ast
 import importlib
@@ -19,11 +19,12 @@ from helpers import lessons
 HELPERS = pathlib.Path(__file__).resolve().parent.parent / "helpers"
 LESSONS = {lesson.package.split(".")[-1] for lesson in lessons.lessons()}
 
-# Where a later lesson builds on an earlier lesson's strategy, as the course says it does: each
-# lesson package declares it (BUILDS_ON, module -> why). Shared tools live in helpers/ itself.
-BUILDS_ON = {(lesson.package.split(".")[-1], module)
+# Where a later lesson builds on an earlier lesson's strategy or formula, as the course says it
+# does: each lesson package declares the names it takes (BUILDS_ON, "module:name" -> why). Shared
+# tools live in helpers/ itself.
+BUILDS_ON = {(lesson.package.split(".")[-1], name)
              for lesson in lessons.lessons()
-             for module in getattr(importlib.import_module(lesson.package), "BUILDS_ON", {})}
+             for name in getattr(importlib.import_module(lesson.package), "BUILDS_ON", {})}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -77,13 +78,30 @@ def test_no_module_imports_itself_through_others():
         visit(module)
 
 
-def test_a_lesson_imports_another_only_for_a_strategy_it_builds_on():
-    crossings = {(lesson_of(module), dependency.removeprefix("helpers."))
-                 for module, deps in GRAPH.items() for dependency in deps
-                 if lesson_of(module) and lesson_of(dependency)
-                 and lesson_of(dependency) != lesson_of(module)}
-    assert crossings - BUILDS_ON == set(), "move what they share into helpers/"
-    assert BUILDS_ON - crossings == set(), "a declared crossing that no longer exists"
+def names_taken(path: pathlib.Path) -> set:
+    """("module:name") for every name `path` imports from a helpers module, at its top or inside a
+    function; a module imported whole is "module:*" (a crossing must name what it takes)."""
+    taken = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("helpers."):
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                whole = (HELPERS.parent / child.replace(".", "/")).with_suffix(".py").exists()
+                taken.add(f"{child}:*" if whole else f"{node.module}:{alias.name}")
+        elif isinstance(node, ast.Import):
+            taken |= {f"{alias.name}:*" for alias in node.names
+                      if alias.name.startswith("helpers.")}
+    return {name.removeprefix("helpers.") for name in taken}
+
+
+def test_a_lesson_takes_from_another_only_the_names_it_builds_on():
+    crossings = {(lesson_of(module_name(path)), name)
+                 for path in HELPERS.rglob("*.py") if lesson_of(module_name(path))
+                 for name in names_taken(path)
+                 if lesson_of("helpers." + name.split(":")[0]) not in (
+                     None, lesson_of(module_name(path)))}
+    assert crossings - BUILDS_ON == set(), "declare the name in BUILDS_ON, or move it to helpers/"
+    assert BUILDS_ON - crossings == set(), "a declared name that is no longer taken"
 
 
 # Kernel-side modules, by role: what draws, what a notebook calls to start ranks (experiments,
@@ -155,4 +173,39 @@ def test_the_code_a_notebook_shows_calls_no_private_helper():
              for path in sorted((HELPERS.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
              for name, source in shown_code(path).items()
              for helper in sorted(set(calls.findall(source)))]
+    assert found == []
+
+
+def code_sources():
+    """(where, source) of every Python file of the course and every notebook code cell."""
+    root = HELPERS.parent
+    for path in sorted([*HELPERS.rglob("*.py"), *root.glob("tests/*.py"),
+                        *root.glob("benchmarks/*.py")]):
+        yield str(path.relative_to(root)), path.read_text()
+    for path in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                yield f"{path.name}, cell {index}", "".join(cell["source"])
+
+
+def test_no_launch_passes_more_than_three_worker_arguments_by_position():
+    """run(fn, n, args=(a, b, c, d)) reads as a riddle: past three, the worker's arguments are
+    named (kwargs=dict(...)). CS336's own lecture functions, started as the lecture does with
+    spawn(lecture.main, args=(...)), are quoted as they are."""
+    found = []
+    for where, source in code_sources():
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:  # a cell of shell or magic commands
+            continue
+        for call in ast.walk(tree):
+            if not isinstance(call, ast.Call):
+                continue
+            name = getattr(call.func, "id", getattr(call.func, "attr", None))
+            quoted = name == "spawn" and call.args and "lecture" in ast.unparse(call.args[0])
+            for keyword in call.keywords:
+                if (name in ("run", "spawn") and keyword.arg == "args" and not quoted
+                        and isinstance(keyword.value, ast.Tuple | ast.List)
+                        and len(keyword.value.elts) > 3):
+                    found.append(f"{where}, line {call.lineno}: {ast.unparse(call)[:80]}")
     assert found == []

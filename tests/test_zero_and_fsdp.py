@@ -395,12 +395,13 @@ def resume_worker(rank, world_size, gradient_sharding, directory, bucket_mb):
             optimizer.step()
 
     def fresh(model):
+        adamw, settings = reference.OPTIMIZERS["adamw"]
         if bucket_mb is None:
-            return ShardedOptimizer(model.parameters(), torch.optim.AdamW,
-                                    gradient_sharding=gradient_sharding, **workers.ADAMW)
-        return BucketedShardedOptimizer(model.parameters(), torch.optim.AdamW,
+            return ShardedOptimizer(model.parameters(), adamw, gradient_sharding=gradient_sharding,
+                                    lr=reference.LR, **settings)
+        return BucketedShardedOptimizer(model.parameters(), adamw,
                                         gradient_sharding=gradient_sharding,
-                                        bucket_mb=bucket_mb, **workers.ADAMW)
+                                        bucket_mb=bucket_mb, lr=reference.LR, **settings)
 
     straight = copy.deepcopy(model)
     steps(straight, fresh(straight), batches)

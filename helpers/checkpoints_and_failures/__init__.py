@@ -11,10 +11,3 @@ kernel. exercises: the checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "12_checkpoints_and_failures.ipynb"
-
-# Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
-BUILDS_ON = {
-    "fitting_a_model.fsdp2_knobs": "lesson 11's fully_shard of each block, then the model",
-    "composing.workers": "lesson 10's DP × TP layout with fully_shard and parallelize_module",
-    "zero_and_fsdp.workers": "lesson 07's AdamW settings",
-}

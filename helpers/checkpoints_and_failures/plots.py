@@ -189,6 +189,8 @@ def key_figure():
 
     model, batches = reference.make_lm(seed=0), reference.lm_data(seed=1, batch_size=8)
     with tempfile.TemporaryDirectory() as directory:
-        run(save_worker, 4, args=(model, batches, directory, "dcp"), show_output=False)
-        out = run(load_worker, 4, args=(model, directory, "dcp", "dp×tp"), show_output=False)
+        run(save_worker, 4, show_output=False,
+            kwargs=dict(model=model, batches=batches, directory=directory, how="dcp"))
+        out = run(load_worker, 4, show_output=False,
+                  kwargs=dict(model=model, directory=directory, how="dcp", layout="dp_tp"))
         return plot_pieces(pieces(directory), {"DP × TP, 2 × 2": [rank["read"] for rank in out]})

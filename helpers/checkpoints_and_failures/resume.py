@@ -36,7 +36,7 @@ from torch.utils.data import DistributedSampler
 
 from helpers import reference
 from helpers.checkpoints_and_failures.sharded import build, full_state
-from helpers.composing.workers import mean_over
+from helpers.training import mean_over
 
 PIECES = ("model", "optimizer", "sampler", "rng")  # what a checkpoint here holds
 OPTIONAL = PIECES[1:]  # what Experiment.leave_out may name
@@ -181,7 +181,7 @@ def one_process_losses(experiment, world_size: int) -> tuple:
     from that rank's own generator state) concatenated into one batch, on the model without
     FSDP. An experiment with a `scheduler(optimizer)` (the exercise's) steps it after each
     optimizer step. Returns ({step: loss}, {name: parameter})."""
-    model, optimizer, _, _ = build("one process", 1, experiment.model())
+    model, optimizer, _, _ = build("one_process", 1, experiment.model())
     scheduler = experiment.scheduler(optimizer) if hasattr(experiment, "scheduler") else None
     samplers = [experiment.sampler(rank, world_size) for rank in range(world_size)]
     rng_states = [torch.manual_seed(experiment.seed + rank).get_state()

@@ -19,9 +19,9 @@ Two ways to save a sharded model and its optimizer:
 get_state_dict / set_state_dict give the model's and the optimizer's state in one form for every
 layout: keys are the model's parameter names (the optimizer's state too, not parameter numbers)
 and values are DTensors, so a checkpoint saved by FSDP on 4 ranks loads into FSDP on 2, into DP x
-TP on a 2 x 2 mesh (lesson 10's torch_dp_tp), or into one process.
+TP on a 2 x 2 mesh (helpers.layouts.apply_dp_tp), or into one process.
 
-    LAYOUTS                          "fsdp", "dp×tp", "one process"
+    LAYOUTS                          "fsdp", "dp_tp", "one_process"
     build(layout, world_size, model) the model laid out, with its AdamW
     train(model, optimizer, batches, dp_rank, dp_size)
     save_worker / load_worker        one save or load, its seconds and the bytes each rank wrote
@@ -52,38 +52,36 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import reference
-from helpers.composing.workers import torch_dp_tp
-from helpers.fitting_a_model.fsdp2_knobs import shard
+from helpers.layouts import apply_dp_tp, apply_fsdp
 from helpers.timing import slowest_rank_seconds
-from helpers.zero_and_fsdp.workers import ADAMW
 
-LAYOUTS = ("fsdp", "dp×tp", "one process")
+LAYOUTS = ("fsdp", "dp_tp", "one_process")
 FULL_FILE = "full.pt"  # the full state dict's one file
 METADATA_FILE = ".metadata"  # DCP's map
 
 
 def build(layout: str, world_size: int, model):
-    """A copy of `model` (a TinyLM) laid out as `layout` on `world_size` ranks, and its AdamW
-    (lesson 07's settings). Returns (model, optimizer, dp_rank, dp_size): the data-parallel
-    coordinates that say which slice of a batch this rank trains on."""
+    """A copy of `model` (a TinyLM) laid out as `layout` on `world_size` ranks (helpers.layouts),
+    and its AdamW (the course's settings). Returns (model, optimizer, dp_rank, dp_size): the
+    data-parallel coordinates that say which slice of a batch this rank trains on."""
     model = copy.deepcopy(model)
     if layout == "fsdp":
-        shard(model, init_device_mesh("cpu", (world_size,)))
+        apply_fsdp(model, init_device_mesh("cpu", (world_size,)))
         dp_rank, dp_size = dist.get_rank(), world_size
-    elif layout == "dp×tp":
+    elif layout == "dp_tp":
         if world_size % 2:
-            raise ValueError(f"dp×tp puts 2 ranks in each tensor-parallel group; {world_size} "
+            raise ValueError(f"dp_tp puts 2 ranks in each tensor-parallel group; {world_size} "
                              "ranks do not split in pairs")
         mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
-        torch_dp_tp(model, mesh)
+        apply_dp_tp(model, mesh)
         dp_rank, dp_size = mesh.get_local_rank("dp"), world_size // 2
-    elif layout == "one process":
+    elif layout == "one_process":
         if world_size != 1:
-            raise ValueError(f"'one process' runs on 1 rank, not {world_size}")
+            raise ValueError(f"'one_process' runs on 1 rank, not {world_size}")
         dp_rank, dp_size = 0, 1
     else:
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-    return model, torch.optim.AdamW(model.parameters(), **ADAMW), dp_rank, dp_size
+    return model, reference.make_optimizer("adamw", model.parameters()), dp_rank, dp_size
 
 
 def train(model, optimizer, batches, dp_rank: int, dp_size: int) -> list:
@@ -236,7 +234,7 @@ def pieces(directory) -> list:
 def one_process_state(model, batches) -> dict:
     """The reference: `model` trained in this process, a step per whole batch, with the same
     AdamW; its state in full_state's form. No process group."""
-    model, optimizer, _, _ = build("one process", 1, model)
+    model, optimizer, _, _ = build("one_process", 1, model)
     train(model, optimizer, batches, 0, 1)
     return {"model": {name: value.detach().clone() for name, value in model.state_dict().items()},
             "optimizer": {name: {key: value.clone() for key, value in

@@ -12,8 +12,8 @@ from helpers.checkpoints_and_failures.resume import (
     training_state,
 )
 from helpers.checkpoints_and_failures.sharded import build, full_state
-from helpers.composing.workers import mean_over
 from helpers.reference import lm_loss
+from helpers.training import mean_over
 
 
 def resumable(rank, world_size, job, directory):

@@ -12,11 +12,16 @@ exercises: the checked exercises; solutions: their reference solutions.
 
 NOTEBOOK = "10_composing.ipynb"
 
-# Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
+# The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
+# (tests/test_structure.py checks the imports, name by name):
 BUILDS_ON = {
-    "data_parallelism.ddp": "DDP around tensor-parallel blocks; its buckets",
-    "tensor_parallelism.megatron": "lesson 08's blocks and plan on a mesh",
-    "pipeline_parallelism.schedule": "lesson 09's pipeline_step on a mesh",
-    "zero_and_fsdp.memory": "the projection: lesson 07's memory formulas",
-    "tensor_parallelism.cost": "the projection: lesson 08's bytes per layer",
+    "data_parallelism.ddp:DDP": "lesson 06's DDP, around tensor-parallel blocks",
+    "data_parallelism.ddp:average_gradients": "lesson 06's gradient average, over a dp group",
+    "data_parallelism.ddp:Bucket": "lesson 06's buckets, for sending weights",
+    "data_parallelism.ddp:bucket_indices": "lesson 06's buckets, for sending weights",
+    "tensor_parallelism.megatron:parallelize_block": "lesson 08's blocks, cut on a mesh",
+    "tensor_parallelism.megatron:ReduceFromRegion": "lesson 08's g, in the exercise's solution",
+    "pipeline_parallelism.schedule:pipeline_step": "lesson 09's pipeline_step on a mesh",
+    "zero_and_fsdp.memory:bytes_per_rank": "the projection: lesson 07's memory formulas",
+    "tensor_parallelism.cost:layer_bytes_sent": "the projection: lesson 08's bytes per layer",
 }

@@ -7,14 +7,15 @@ from __future__ import annotations
 import copy
 import logging
 
-import torch
 import torch.distributed as dist
 
 from helpers import reference
 from helpers.composing.hybrid import LMStage
 from helpers.composing.mesh import Grid, new_groups
 from helpers.data_parallelism.ddp import DDP, average_gradients
+from helpers.layouts import apply_dp_tp
 from helpers.pipeline_parallelism.schedule import pipeline_step
+from helpers.training import mean_over
 
 # --- mesh ---------------------------------------------------------------------------------------
 
@@ -28,14 +29,6 @@ def grid_worker(rank, world_size, dims, sizes):
     mesh = init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(dims))
     return {dim: (dist.get_process_group_ranks(groups[dim]),
                   dist.get_process_group_ranks(mesh.get_group(dim))) for dim in dims}
-
-
-def mean_over(value: float, group) -> float:
-    """The mean of `value` over the ranks of `group` (each data-parallel rank's loss is the mean
-    over its slice; the batch's loss is the mean of those)."""
-    value = torch.tensor([value], dtype=torch.float64)  # a Python float's own precision
-    dist.all_reduce(value, op=dist.ReduceOp.AVG, group=group)
-    return value.item()
 
 
 def dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
@@ -88,30 +81,15 @@ def dp_tp_pp_worker(rank, world_size, model, batches, sizes, micro_batches=2, lr
             "parameters": reference.parameters(stage)}
 
 
-def torch_dp_tp(model, mesh):
-    """`model` (a TinyLM) laid out in place on a ("dp", "tp") DeviceMesh with PyTorch's pieces:
-    each block parallelize_module'd over mesh["tp"] with lesson 08's plan, then fully_shard over
-    mesh["dp"] (each block, then the whole model). Lesson 12 loads checkpoints into it."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from helpers.tensor_parallelism.megatron import torch_plan
-
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], torch_plan(sequence_parallel=False))
-        fully_shard(block, mesh=mesh["dp"])
-    return fully_shard(model, mesh=mesh["dp"])
-
-
 def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
     """The same training with PyTorch's pieces on one DeviceMesh ("dp", "tp"), laid out by
-    torch_dp_tp (above). Returns the losses, every parameter gathered whole
+    layouts.apply_dp_tp. Returns the losses, every parameter gathered whole
     (full_tensor), and each parameter's DTensor layout: its mesh dimensions, placements and the
     shape of this rank's piece."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-    model = torch_dp_tp(copy.deepcopy(model), mesh)
+    model = apply_dp_tp(copy.deepcopy(model), mesh)
     optimizer = reference.make_optimizer("adamw", model.parameters(), lr)
     dp_rank, losses = mesh.get_local_rank("dp"), []
     for batch in batches:

@@ -10,7 +10,8 @@ reference solutions.
 
 NOTEBOOK = "06_data_parallelism.ipynb"
 
-# Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
+# The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
+# (tests/test_structure.py checks the imports, name by name):
 BUILDS_ON = {
-    "how_all_reduce_works.algorithms": "lesson 05's ring, on gradients",
+    "how_all_reduce_works.algorithms:ring_all_reduce": "lesson 05's ring, on gradients",
 }

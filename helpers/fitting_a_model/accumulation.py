@@ -51,7 +51,7 @@ from helpers import reference
 from helpers.data_parallelism.ddp import DDP
 from helpers.instrument import Observer
 from helpers.zero_and_fsdp.memory import held_bytes
-from helpers.zero_and_fsdp.workers import ADAMW, Trainer, torch_model
+from helpers.zero_and_fsdp.workers import Trainer, torch_model
 
 STRATEGIES = {
     "DDP, no_sync": "lesson 06's DDP, micro-batches 1..m-1 in no_sync()",
@@ -78,7 +78,7 @@ class Setup:
 
 def _ddp(model):
     ddp = DDP(model)
-    return Setup(ddp, torch.optim.AdamW(model.parameters(), **ADAMW),
+    return Setup(ddp, reference.make_optimizer("adamw", model.parameters()),
                  lambda: reference.parameters(model),
                  micro_batch=lambda last: contextlib.nullcontext() if last else ddp.no_sync(),
                  finish=ddp.finish_gradient_synchronization)

@@ -40,23 +40,14 @@ import collections
 import copy
 import time
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from helpers import reference
 from helpers.instrument import Observer
+from helpers.layouts import apply_fsdp
 from helpers.timing import observed_training
-from helpers.zero_and_fsdp.workers import ADAMW
-
-
-def shard(model, mesh, **options):
-    """fully_shard each block of `model`, then the model itself (its embeddings, final norm and
-    head): FSDP2's documented way to wrap a transformer. `options` go to every call."""
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **options)
-    return fully_shard(model, mesh=mesh, **options)
 
 
 def gathered_bytes(model) -> int:
@@ -85,8 +76,8 @@ def reshard_worker(rank, world_size, model, batch, reshard_after_forward):
     """A forward and backward of fully_shard'ed `model` (2 steps; the second observed) with
     `reshard_after_forward`. Returns {"peak": the most gathered bytes held at any block's hooks,
     "all-gathers": {group size: count}, "sent": {group size: bytes of all-gathers}}."""
-    model = shard(copy.deepcopy(model), init_device_mesh("cpu", (world_size,)),
-                  reshard_after_forward=reshard_after_forward)
+    model = apply_fsdp(copy.deepcopy(model), init_device_mesh("cpu", (world_size,)),
+                       reshard_after_forward=reshard_after_forward)
     peak = 0
 
     def sample(*_):
@@ -129,7 +120,7 @@ def prefetch_worker(rank, world_size, model, batch, prefetch: int):
     defaults. Returns {"events": [(label, start_s, end_s)]: each block's "forward" and "backward"
     and each "all_gather" from launch to completion, from the step's start; "ahead": for each
     block, the all-gathers issued before its forward began}."""
-    model = shard(copy.deepcopy(model), init_device_mesh("cpu", (world_size,)))
+    model = apply_fsdp(copy.deepcopy(model), init_device_mesh("cpu", (world_size,)))
     blocks = list(model.blocks)
     if prefetch:
         for index, block in enumerate(blocks):
@@ -168,8 +159,8 @@ def hsdp_worker(rank, world_size, model, batches, shape=(2, 2)):
     the last step, and the bytes and calls of the last step by (collective, "shard" or
     "replicate": the mesh dimension of its group)."""
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-    model = shard(copy.deepcopy(model), mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    model = apply_fsdp(copy.deepcopy(model), mesh)
+    optimizer = reference.make_optimizer("adamw", model.parameters())
     observed = observed_training(model, optimizer, reference.lm_loss, batches, rank, world_size)
     dimension = {tuple(dist.get_process_group_ranks(mesh.get_group(name))): name
                  for name in ("replicate", "shard")}

@@ -45,16 +45,16 @@ import torch.distributed as dist
 
 from helpers import reference
 from helpers.instrument import Observer
+from helpers.layouts import apply_fsdp
 from helpers.timing import observed_training
 from helpers.zero_and_fsdp.fsdp import FSDP
-from helpers.zero_and_fsdp.workers import ADAMW
 
 
 def losses(model, batches, dtype=None) -> list:
     """Train a copy of `model` with AdamW (lesson 07's settings), one step per batch, forward and
     loss under torch.autocast("cpu", dtype) (dtype None: plain float32). The loss of each step."""
     model = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    optimizer = reference.make_optimizer("adamw", model.parameters())
     found = []
     for batch in batches:
         optimizer.zero_grad()
@@ -112,7 +112,7 @@ def scaler_steps(model, batches, init_scale: float) -> list:
     {"scale": the scale the loss was multiplied by, "finite": every unscaled gradient finite,
     "stepped": the optimizer's step count moved, "weights changed": any parameter moved}."""
     model = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    optimizer = reference.make_optimizer("adamw", model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     found = []
     for batch in batches:
@@ -176,15 +176,14 @@ def policy_worker(rank, world_size, kind, model, batches):
         module = FSDP(model, compute_dtype=torch.bfloat16)
     else:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mesh = init_device_mesh("cpu", (world_size,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                       output_dtype=torch.float32)
-        for layer in model.layers:  # each Linear its own unit, as the hand-built FSDP's
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        module = fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = torch.optim.AdamW(module.parameters(), **ADAMW)
+        # each Linear its own unit, as the hand-built FSDP's
+        module = apply_fsdp(model, mesh, unit="layer", mp_policy=policy)
+    optimizer = reference.make_optimizer("adamw", module.parameters())
     observed = observed_training(module, optimizer, reference.mse_loss, batches, rank, world_size)
     if isinstance(module, FSDP):
         parameters = module.gather_full_params()

@@ -10,7 +10,9 @@ widgets: drawn in the kernel. exercises and solutions: the checked exercises.
 
 NOTEBOOK = "07_zero_and_fsdp.ipynb"
 
-# Earlier lessons' strategies this one builds on (tests/test_structure.py checks the imports):
+# The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
+# (tests/test_structure.py checks the imports, name by name):
 BUILDS_ON = {
-    "data_parallelism.ddp": "ZeRO stage 0 is lesson 06's data parallelism",
+    "data_parallelism.ddp:average_gradients": "ZeRO stage 0 is lesson 06's data parallelism",
+    "data_parallelism.ddp:bucket_indices": "lesson 06's buckets, reduce-scattered",
 }

@@ -18,13 +18,13 @@ from torch import nn
 from helpers import reference
 from helpers.data_parallelism.ddp import average_gradients
 from helpers.instrument import Observer
+from helpers.layouts import apply_fsdp
 from helpers.timing import step_timeline, take_turns, training_step
 from helpers.zero_and_fsdp.bucketed_optimizer import BucketedShardedOptimizer
 from helpers.zero_and_fsdp.fsdp import FSDP
 from helpers.zero_and_fsdp.memory import held_bytes
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
-ADAMW = {"lr": 1e-2, "weight_decay": 0.01}
 STAGES = (0, 1, 2, 3)
 TORCH_KINDS = ("ZeroRedundancyOptimizer", "fully_shard")
 
@@ -136,9 +136,9 @@ def accumulation_worker(rank, world_size, stage, model, batches, micro_batches, 
     between them; then one optimizer step. Returns the parameters after the last step and the
     collectives of the last step."""
     model = copy.deepcopy(model)
-    optimizer = BucketedShardedOptimizer(model.parameters(), torch.optim.AdamW,
-                                         gradient_sharding=stage == 2, bucket_mb=bucket_mb,
-                                         **ADAMW)
+    adamw, settings = reference.OPTIMIZERS["adamw"]
+    optimizer = BucketedShardedOptimizer(model.parameters(), adamw, gradient_sharding=stage == 2,
+                                         bucket_mb=bucket_mb, lr=reference.LR, **settings)
     for batch in batches:
         local = batch.shard(rank, world_size)
         optimizer.zero_grad()
@@ -181,24 +181,14 @@ def torch_model(kind, model, unit="block"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = nn.parallel.DistributedDataParallel(model)
-        return ddp, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+        adamw, settings = reference.OPTIMIZERS["adamw"]
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), adamw, lr=reference.LR,
+                                            **settings)
     if kind == "fully_shard":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        if unit == "block":
-            units = [[block] for block in getattr(model, "blocks", getattr(model, "layers", []))]
-        else:  # layers that share a weight (tied) must be one group
-            groups = {}
-            for module in model.modules():
-                if type(module) in (nn.Linear, nn.Embedding):
-                    groups.setdefault(id(module.weight), []).append(module)
-            units = list(groups.values())
-        for modules in units:
-            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh)
-        fully_shard(model, mesh=mesh)  # whatever is left (norms), tied weights included
-        return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+        apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), unit=unit)
+        return model, reference.make_optimizer("adamw", model.parameters())
     raise ValueError(f"unknown kind {kind!r}; choose one of {TORCH_KINDS}")
 
 
@@ -215,18 +205,15 @@ def fully_shard_recipe_worker(rank, world_size, model_kwargs, full_state, batche
         set_model_state_dict,
     )
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
     with torch.device("meta"):  # shapes only: no rank ever holds the whole model
         model = reference.TinyLM(**model_kwargs).to(dtype)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    apply_fsdp(model, mesh)  # each block, then the model (helpers.layouts)
     model.to_empty(device="cpu")  # memory for this rank's pieces
     set_model_state_dict(model, full_state if rank == 0 else {}, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True))
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)  # after sharding: on the pieces
+    optimizer = reference.make_optimizer("adamw", model.parameters())  # on the pieces
     for batch in batches:
         local = batch.shard(rank, world_size)
         optimizer.zero_grad()

@@ -1,0 +1,61 @@
+"""Layouts: a model laid out on a mesh with PyTorch's own pieces, each written once.
+
+In the style of torchtitan's `apply_fsdp` and `apply_tp` (torchtitan/models/llama3/infra/
+parallelize.py): functions that take a model and a mesh, with keyword options, and change the
+model in place. Lessons 07, 10, 11 and 12 call them, and show them where they first use them.
+
+- `apply_fsdp(model, mesh, unit="block", **options)`: FSDP2's documented way to wrap a
+  transformer. `fully_shard` each unit (`fsdp_units`: by default each block), then the model
+  itself, which takes what is left (embeddings, final norm, head). `options` (mp_policy,
+  reshard_after_forward, ...) go to every call.
+- `apply_tp(model, mesh, sequence_parallel=False)`: `parallelize_module` on each block of a
+  TinyLM, with lesson 08's plan (tensor_parallelism.megatron.torch_plan).
+- `apply_dp_tp(model, mesh)`: both on a ("dp", "tp") mesh: tensor parallelism over mesh["tp"],
+  then FSDP2 over mesh["dp"].
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from helpers.tensor_parallelism.megatron import torch_plan
+
+UNITS = ("block", "layer")
+
+
+def apply_fsdp(model: nn.Module, mesh, *, unit: str = "block", **options) -> nn.Module:
+    """fully_shard each unit of `model`, then `model` itself; returns `model`.
+
+    unit="block": each transformer block (`model.blocks`; an MLP's `model.layers`).
+    unit="layer": each Linear and Embedding, those that share a weight (tied) in one unit."""
+    for modules in fsdp_units(model, unit):
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
+def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.Module:
+    """parallelize_module each block of a TinyLM over `mesh` (1-D), with lesson 08's plan."""
+    for block in model.blocks:
+        parallelize_module(block, mesh, torch_plan(sequence_parallel=sequence_parallel))
+    return model
+
+
+def apply_dp_tp(model: nn.Module, mesh) -> nn.Module:
+    """A TinyLM on a ("dp", "tp") mesh: tensor-parallel over "tp", then FSDP2 over "dp"."""
+    apply_tp(model, mesh["tp"])
+    return apply_fsdp(model, mesh["dp"])
+
+
+def fsdp_units(model: nn.Module, unit: str = "block") -> list:
+    """The units apply_fsdp shards one by one: lists of modules, each list one fully_shard."""
+    if unit == "block":
+        return [[block] for block in getattr(model, "blocks", getattr(model, "layers", []))]
+    if unit == "layer":
+        tied = {}
+        for module in model.modules():
+            if type(module) in (nn.Linear, nn.Embedding):
+                tied.setdefault(id(module.weight), []).append(module)
+        return list(tied.values())
+    raise ValueError(f"unknown unit {unit!r}; choose one of {UNITS}")
