@@ -14,7 +14,7 @@ slowest rank. Prints the median step time of each and the ratios the lesson quot
 import argparse
 
 from helpers import run
-from helpers.data_parallelism.workers import STRATEGIES, step_times_worker
+from helpers.data_parallelism.workers import LABELS, STRATEGIES, step_times_worker
 
 
 def main():
@@ -30,14 +30,14 @@ def main():
     print(f"MLP of {options.layers} Linear({options.dim}, {options.dim}): {megabytes:.0f} MiB of "
           f"gradients; global batch {options.batch}; buckets of {options.bucket_mb:g} MB; "
           f"median of {options.iterations} alternating steps\n")
-    print(f"{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>15}" for name in STRATEGIES)
+    print(f"{'ranks':>5} | " + " ".join(f"{LABELS[name] + ' (ms)':>15}" for name in STRATEGIES)
           + f" | {'bucketed/torch':>14} {'naive/bucketed':>14}")
     for world_size in options.world_sizes:
         medians = run(step_times_worker, world_size, show_output=False, timeout=600, kwargs=dict(
             dim=options.dim, layers=options.layers, batch_size=options.batch,
             bucket_mb=options.bucket_mb, iterations=options.iterations))[0]
         times = " ".join(f"{medians[name] * 1e3:>15.1f}" for name in STRATEGIES)
-        print(f"{world_size:>5} | {times} | {medians['bucketed'] / medians['torch DDP']:>13.2f}x"
+        print(f"{world_size:>5} | {times} | {medians['bucketed'] / medians['torch_ddp']:>13.2f}x"
               f" {medians['naive'] / medians['bucketed']:>13.2f}x", flush=True)
 
 

@@ -183,13 +183,13 @@ def test_strategy_takes_no_recomputation_precision_and_when_gradients_sync():
     m, ring = 1024 / 8, 7 / 8 * psi
     assert float32["data parallel"] == pytest.approx(3 * m * ring * 4)
     each = strategy.project(model, layout, recomputation="full")
-    last = strategy.project(model, layout, recomputation="full", sync="last micro-batch")
+    last = strategy.project(model, layout, recomputation="full", sync="last_micro_batch")
     assert each["gradients"] == pytest.approx(2 * psi / 8)
     assert last["gradients"] == pytest.approx(2 * psi)  # whole, until the last micro-batch
     assert last["data parallel"] == pytest.approx(2 * m * ring * 2 + ring * 2)
     assert each["data parallel"] == pytest.approx(3 * m * ring * 2)
     zero_2 = strategy.Layout(dp=64, tp=1, pp=1, zero=2)
-    assert strategy.project(model, zero_2, sync="last micro-batch")["data parallel"] == \
+    assert strategy.project(model, zero_2, sync="last_micro_batch")["data parallel"] == \
         pytest.approx(2 * 63 / 64 * model.parameters() * 2)  # as ZeRO-1: once each way
     reduced_in_float32 = strategy.project(model, zero_2, reduce_bytes=4)["data parallel"]
     assert reduced_in_float32 == pytest.approx((1024 / 64 * 4 + 2) * 63 / 64 * model.parameters())

@@ -130,7 +130,7 @@ def batch_norm_worker(rank, world_size, strategy):
 
 def test_buffers_follow_rank_0_at_every_forward_as_in_torch_ddp():
     hand = run(batch_norm_worker, 2, args=("bucketed",), show_output=False)
-    torch_ddp = run(batch_norm_worker, 2, args=("torch DDP",), show_output=False)
+    torch_ddp = run(batch_norm_worker, 2, args=("torch_ddp",), show_output=False)
     for rank in range(2):
         for name, value in torch_ddp[rank].items():
             torch.testing.assert_close(hand[rank][name], value, msg=labelled(name))

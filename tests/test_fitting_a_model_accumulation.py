@@ -75,8 +75,8 @@ def test_zero_3_and_fully_shard_gather_every_layer_twice_per_micro_batch(micro_b
     """fully_shard reshards every Linear after its forward (the root holds no parameter), as
     the hand-built FSDP does; with sync on the last micro-batch only, it reduce-scatters once."""
     m = micro_batches
-    hand = results("ZeRO-3", False)[m][0]["calls"]
-    torch_ = results("FSDP2, sync on the last", False)[m][0]["calls"]
+    hand = results("zero_3", False)[m][0]["calls"]
+    torch_ = results("fsdp2_sync_on_last", False)[m][0]["calls"]
     assert hand == {"all_gather_single": 2 * m * LAYERS, "reduce_scatter_single": m * LAYERS}
     assert torch_ == {"all_gather_single": 2 * m * LAYERS, "reduce_scatter_single": LAYERS}
 
@@ -87,25 +87,25 @@ def total(strategy, m, psi=7.5e9, n=64):
 
 def test_the_formulas_compare_as_the_lesson_says():
     psi, n = 7.5e9, 64
-    dp = total("DDP, no_sync", 1)
+    dp = total("ddp_no_sync", 1)
     assert dp == pytest.approx(2 * (n - 1) / n * 4 * psi)
-    assert total("ZeRO-3", 1) == pytest.approx(1.5 * dp)  # the ZeRO paper's 1.5x
-    assert total("FSDP2, sync on the last", 1) == pytest.approx(total("ZeRO-3", 1))
+    assert total("zero_3", 1) == pytest.approx(1.5 * dp)  # the ZeRO paper's 1.5x
+    assert total("fsdp2_sync_on_last", 1) == pytest.approx(total("zero_3", 1))
     for m in (2, 4, 8):
         # deferring the reduction costs nothing more per step; ZeRO-1 sends what DDP does
-        assert total("DDP, no_sync", m) == total("ZeRO-1", m) == pytest.approx(dp)
+        assert total("ddp_no_sync", m) == total("zero_1", m) == pytest.approx(dp)
         # one more reduce-scatter of the gradients (half DP's bytes) per micro-batch
-        assert total("ZeRO-2", m) == pytest.approx(dp + (m - 1) * dp / 2)
-        assert total("ZeRO-3", m) == pytest.approx(m * 1.5 * dp)
+        assert total("zero_2", m) == pytest.approx(dp + (m - 1) * dp / 2)
+        assert total("zero_3", m) == pytest.approx(m * 1.5 * dp)
         # FSDP2 without sync saves ZeRO-3's m - 1 reduce-scatters, not its gathers
-        assert total("ZeRO-3", m) - total("FSDP2, sync on the last", m) == \
+        assert total("zero_3", m) - total("fsdp2_sync_on_last", m) == \
             pytest.approx((m - 1) * dp / 2)
     whole, pieces = 4 * PSI, 4 * PSI // n
     held = {strategy: accumulation.gradient_bytes_formula(strategy, PSI, n, 4)
             for strategy in accumulation.STRATEGIES}
-    assert held == {"DDP, no_sync": whole, "ZeRO-1": whole, "ZeRO-2": pieces, "ZeRO-3": pieces,
-                    "FSDP2, sync on the last": whole}
-    assert accumulation.gradient_bytes_formula("FSDP2, sync on the last", PSI, n, 1) == pieces
+    assert held == {"ddp_no_sync": whole, "zero_1": whole, "zero_2": pieces, "zero_3": pieces,
+                    "fsdp2_sync_on_last": whole}
+    assert accumulation.gradient_bytes_formula("fsdp2_sync_on_last", PSI, n, 1) == pieces
     assert all(total(strategy, 4, n=1) == 0 for strategy in accumulation.STRATEGIES)
     with pytest.raises(ValueError, match="strategy"):
         accumulation.sent_formula("ZeRO-4", PSI, n, 1)

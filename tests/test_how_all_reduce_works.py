@@ -140,7 +140,7 @@ def test_cost_models_follow_their_formulas():
     for topology in workers.TOPOLOGIES:
         seconds = workers.all_reduce_on(topology, 64, 1e8, 5e10)
         assert seconds == pytest.approx(2 * 63 / 64 * 1e8 / 5e10)
-    hops = {"switch": 1, "2-D torus": math.sqrt(64) / 2, "ring": 64 / 4}
+    hops = {"switch": 1, "torus_2d": math.sqrt(64) / 2, "ring": 64 / 4}
     for topology, h in hops.items():
         seconds = workers.all_to_all_on(topology, 64, 1e8, 5e10)
         assert seconds == pytest.approx(63 / 64 * 1e8 * h / 5e10)

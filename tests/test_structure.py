@@ -209,3 +209,31 @@ def test_no_launch_passes_more_than_three_worker_arguments_by_position():
                         and len(keyword.value.elts) > 3):
                     found.append(f"{where}, line {call.lineno}: {ast.unparse(call)[:80]}")
     assert found == []
+
+
+def offered_choices(path: pathlib.Path) -> set:
+    """The module-level names a `raise ValueError(...)` in `path` offers as the choices
+    ("unknown strategy ...; choose one of {STRATEGIES}")."""
+    tree = ast.parse(path.read_text())
+    constants = {node.targets[0].id for node in tree.body if isinstance(node, ast.Assign)
+                 and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)}
+    return {name.id for node in ast.walk(tree)
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+            and getattr(node.exc.func, "id", None) == "ValueError"
+            for name in ast.walk(node.exc)
+            if isinstance(name, ast.Name) and name.id in constants}
+
+
+def test_the_keys_of_a_choice_are_names():
+    """A caller picks a strategy, a layout or a mode by a key made of letters, digits and
+    underscores ("torch_ddp", "1f1b"), never by a display string ("torch DDP", "dp×tp"); labels
+    for display live beside the keys."""
+    found = []
+    for path in sorted(HELPERS.rglob("*.py")):
+        module = importlib.import_module(module_name(path))
+        for name in sorted(offered_choices(path)):
+            keys = getattr(module, name)
+            if isinstance(keys, dict | list | tuple | set | frozenset):
+                found += [f"{module_name(path)}.{name}: {key!r}" for key in keys
+                          if not (isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_]+", key))]
+    assert found == []

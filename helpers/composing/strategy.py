@@ -28,7 +28,7 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    so it reduce-scatters after every micro-batch's backward (m (dp - 1)/dp Psi' 2,
                    as lesson 07's stage-2 hook and DeepSpeed's stage 2 do) and all-gathers the
                    weights once; ZeRO 3 also all-gathers the weights in every micro-batch's
-                   forward and backward (3 m (dp - 1)/dp Psi' 2). sync="last micro-batch" is
+                   forward and backward (3 m (dp - 1)/dp Psi' 2). sync="last_micro_batch" is
                    lesson 11's other choice for 2 and 3 (FSDP2's set_requires_gradient_sync):
                    whole gradients held until the last micro-batch, one reduce-scatter per step
                    (ZeRO 3 still gathers 2m times). ZeRO 2 and 3 only without pipeline stages:
@@ -76,7 +76,7 @@ GPU_MEMORY = 80 * 2**30  # H100 SXM, bytes (ml-engineering, compute/accelerator/
 RECOMPUTATION = ("none", "selective", "full")
 RECOMPUTATION_LABELS = {"none": "no recomputation", "selective": "selective recomputation",
                         "full": "full recomputation"}
-SYNC = ("each micro-batch", "last micro-batch")  # when ZeRO-2 and 3 reduce-scatter
+SYNC = ("each_micro_batch", "last_micro_batch")  # when ZeRO-2 and 3 reduce-scatter
 INSIDE, BETWEEN = "NVLink 4 (H100, H200)", "InfiniBand NDR400, one port"  # lesson 04's labels
 GPUS_PER_MACHINE = 8
 
@@ -146,7 +146,7 @@ class Layout:
 
 def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int = 1,
             global_batch: int = 1024, recomputation: str = "selective", precision: str = "mixed",
-            reduce_bytes: int | None = None, sync: str = "each micro-batch") -> dict:
+            reduce_bytes: int | None = None, sync: str = "each_micro_batch") -> dict:
     """Per GPU, in bytes: {"weights", "gradients", "optimizer", "activations", "memory", "fits",
     "data parallel", "tensor parallel", "pipeline", "sent", "seconds"}; `global_batch` sequences
     per step, cut into micro-batches of `micro_batch` on each data-parallel rank. `precision`:
@@ -160,7 +160,7 @@ def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int 
     shard = model.first_stage(layout.tp, layout.pp)
     states = bytes_per_rank(shard, layout.dp, layout.zero, precision=precision)
     element = 2 if precision == "mixed" else 4  # a 16-bit or a float32 weight or activation
-    deferred = sync == "last micro-batch" and layout.zero >= 2
+    deferred = sync == "last_micro_batch" and layout.zero >= 2
     if deferred:  # whole gradients accumulate until the last micro-batch
         states["gradients"] = bytes_per_rank(shard, layout.dp, 1, precision)["gradients"]
     layers = model.layers / layout.pp

@@ -6,6 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from helpers.data_parallelism.step_model import predict_step
+from helpers.data_parallelism.workers import LABELS
 from helpers.drawing import COLORS, GREY, plot_step_timelines
 
 
@@ -70,14 +71,14 @@ def plot_bucketing(measured: dict, predicted: dict):
 
 
 def plot_step_times(medians: dict, world_size: int):
-    """Median step time of each strategy, measured side by side in one run."""
+    """Median step time of each strategy (workers.STRATEGIES), measured side by side in one run."""
     fig, ax = plt.subplots(figsize=(6.5, 2.6))
     names = list(medians)
     ax.barh(range(len(names)), [medians[n] * 1e3 for n in names],
             color=[COLORS[i] for i in range(len(names))])
     for y, name in enumerate(names):
         ax.text(medians[name] * 1e3, y, f" {medians[name] * 1e3:.0f} ms", va="center", fontsize=8)
-    ax.set_yticks(range(len(names)), names)
+    ax.set_yticks(range(len(names)), [LABELS.get(name, name) for name in names])
     ax.invert_yaxis()
     ax.set_xlabel(f"median step time on {world_size} ranks (ms)")
     ax.set_xlim(0, max(medians.values()) * 1e3 * 1.2)

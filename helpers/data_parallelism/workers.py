@@ -27,20 +27,22 @@ from helpers.timing import slowest_rank_seconds, step_timeline, take_turns, trai
 
 LOSSES = {"mean": reference.mse_loss,
           "sum": lambda outputs, targets: F.mse_loss(outputs, targets, reduction="sum")}
-STRATEGIES = ("naive", "overlapped", "bucketed", "torch DDP")
+STRATEGIES = ("naive", "overlapped", "bucketed", "torch_ddp")
+LABELS = {"naive": "naive", "overlapped": "overlapped", "bucketed": "bucketed",
+          "torch_ddp": "torch DDP"}
 
 
 def wrap(model: nn.Module, strategy: str, bucket_mb: float = 1.0):
     """The model as `strategy` trains it; returns (the module to call, what to do after
     backward). naive: the lecture's loop after backward; overlapped: DDP, one all_reduce per
-    gradient during backward; bucketed: DDP with buckets of `bucket_mb`; torch DDP: PyTorch's own,
+    gradient during backward; bucketed: DDP with buckets of `bucket_mb`; torch_ddp: PyTorch's own,
     with the same bucket size."""
     if strategy == "naive":
         return model, lambda: average_gradients(model)
     if strategy in ("overlapped", "bucketed"):
         ddp = DDP(model, bucket_mb=None if strategy == "overlapped" else bucket_mb)
         return ddp, ddp.finish_gradient_synchronization
-    if strategy == "torch DDP":
+    if strategy == "torch_ddp":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb), None
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
 

@@ -54,12 +54,14 @@ from helpers.zero_and_fsdp.memory import held_bytes
 from helpers.zero_and_fsdp.workers import Trainer, torch_model
 
 STRATEGIES = {
-    "DDP, no_sync": "lesson 06's DDP, micro-batches 1..m-1 in no_sync()",
-    "ZeRO-1": "ShardedOptimizer: whole gradients until step()",
-    "ZeRO-2": "ShardedOptimizer(gradient_sharding=True): pieces",
-    "ZeRO-3": "lesson 07's FSDP, per layer",
-    "FSDP2, sync on the last": "fully_shard, gradient sync on the last micro-batch only",
+    "ddp_no_sync": "lesson 06's DDP, micro-batches 1..m-1 in no_sync()",
+    "zero_1": "ShardedOptimizer: whole gradients until step()",
+    "zero_2": "ShardedOptimizer(gradient_sharding=True): pieces",
+    "zero_3": "lesson 07's FSDP, per layer",
+    "fsdp2_sync_on_last": "fully_shard, gradient sync on the last micro-batch only",
 }
+LABELS = {"ddp_no_sync": "DDP, no_sync", "zero_1": "ZeRO-1", "zero_2": "ZeRO-2",
+          "zero_3": "ZeRO-3", "fsdp2_sync_on_last": "FSDP2, sync on the last"}
 
 
 @dataclass
@@ -104,8 +106,8 @@ def _fsdp2(model):
                  micro_batch=sync_if_last, hidden_gradients=lambda: fsdp2_whole_gradients(module))
 
 
-BUILD = {"DDP, no_sync": _ddp, "ZeRO-1": _zero(1), "ZeRO-2": _zero(2), "ZeRO-3": _zero(3),
-         "FSDP2, sync on the last": _fsdp2}
+BUILD = {"ddp_no_sync": _ddp, "zero_1": _zero(1), "zero_2": _zero(2), "zero_3": _zero(3),
+         "fsdp2_sync_on_last": _fsdp2}
 
 
 def fsdp2_whole_gradients(module: nn.Module) -> list:
@@ -156,11 +158,11 @@ def sent_formula(strategy: str, num_parameters: int, world_size: int, micro_batc
     ring = (world_size - 1) / world_size * bytes_per_element * num_parameters  # one ring pass
     m = micro_batches
     return {
-        "DDP, no_sync": {"all_reduce": 2 * ring},
-        "ZeRO-1": {"reduce_scatter_single": ring, "all_gather_single": ring},
-        "ZeRO-2": {"reduce_scatter_single": m * ring, "all_gather_single": ring},
-        "ZeRO-3": {"all_gather_single": 2 * m * ring, "reduce_scatter_single": m * ring},
-        "FSDP2, sync on the last": {"all_gather_single": 2 * m * ring,
+        "ddp_no_sync": {"all_reduce": 2 * ring},
+        "zero_1": {"reduce_scatter_single": ring, "all_gather_single": ring},
+        "zero_2": {"reduce_scatter_single": m * ring, "all_gather_single": ring},
+        "zero_3": {"all_gather_single": 2 * m * ring, "reduce_scatter_single": m * ring},
+        "fsdp2_sync_on_last": {"all_gather_single": 2 * m * ring,
                                     "reduce_scatter_single": ring},
     }[strategy]
 
@@ -173,9 +175,9 @@ def gradient_bytes_formula(strategy: str, num_parameters: int, world_size: int,
     check_strategy(strategy)
     whole = bytes_per_element * num_parameters
     pieces = whole // world_size
-    if strategy == "FSDP2, sync on the last":
+    if strategy == "fsdp2_sync_on_last":
         return whole if micro_batches > 1 else pieces
-    return whole if strategy in ("DDP, no_sync", "ZeRO-1") else pieces
+    return whole if strategy in ("ddp_no_sync", "zero_1") else pieces
 
 
 def check_strategy(strategy):

@@ -7,6 +7,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from helpers.drawing import COLORS
+from helpers.fitting_a_model.accumulation import LABELS
 from helpers.fitting_a_model.checkpointing import KERNELS, MODES
 
 MODE_LABELS = {"none": "no recomputation", "selective": "selective (attention core)",
@@ -89,12 +90,13 @@ def plot_accumulation(sent: dict, formula: dict, held: dict, parameter_bytes: in
     """Left: the bytes one rank sends per optimizer step against the micro-batches m, measured
     {strategy: {m: bytes}} (dots) on the formula's (lines). Right: the most gradient bytes it
     holds after a micro-batch's backward, {strategy: bytes} at the largest m, in units of the
-    whole gradients' `parameter_bytes`."""
+    whole gradients' `parameter_bytes`. Each strategy is named by accumulation.LABELS."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3), width_ratios=(3, 2))
     for index, strategy in enumerate(sent):
         counts = sorted(sent[strategy])
         left.plot(counts, [formula[strategy][m] / 1e3 for m in counts], color=COLORS[index],
-                  label=strategy, linewidth=4 - 0.6 * index)  # equal lines stay visible
+                  label=LABELS.get(strategy, strategy),
+                  linewidth=4 - 0.6 * index)  # equal lines stay visible
         left.plot(counts, [sent[strategy][m] / 1e3 for m in counts], "o", color=COLORS[index])
     left.set_xticks(counts)
     left.set_xlabel("micro-batches per step, m")
@@ -104,7 +106,7 @@ def plot_accumulation(sent: dict, formula: dict, held: dict, parameter_bytes: in
     names = list(held)
     right.barh(range(len(names)), [held[name] / parameter_bytes for name in names],
                color=[COLORS[index] for index in range(len(names))])
-    right.set_yticks(range(len(names)), names, fontsize=8)
+    right.set_yticks(range(len(names)), [LABELS.get(name, name) for name in names], fontsize=8)
     right.invert_yaxis()
     right.set_xlabel("gradients held / whole gradients")
     right.set_title(f"held during accumulation (m = {counts[-1]})", fontsize=9)

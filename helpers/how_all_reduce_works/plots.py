@@ -10,6 +10,7 @@ from matplotlib.patches import Rectangle
 from helpers.drawing import color
 from helpers.how_all_reduce_works.workers import (
     TOPOLOGIES,
+    TOPOLOGY_LABELS,
     all_reduce_on,
     all_to_all_on,
     ring_seconds,
@@ -109,7 +110,7 @@ def plot_topologies(n, size_bytes, device_bandwidth):
         times = [model(t, n, size_bytes, device_bandwidth) * 1e3 for t in TOPOLOGIES]
         bars = ax.bar([i + offset for i in range(len(times))], times, width, label=label)
         ax.bar_label(bars, fmt="%.1f ms", fontsize=8)
-    ax.set_xticks(range(len(TOPOLOGIES)), TOPOLOGIES)
+    ax.set_xticks(range(len(TOPOLOGIES)), [TOPOLOGY_LABELS[t] for t in TOPOLOGIES])
     ax.set_ylabel("model time (ms)")
     ax.set_title(f"{n} devices, {size_bytes / 1e6:.4g} MB each, "
                  f"{device_bandwidth / 1e9:g} GB/s out of each device", fontsize=10)

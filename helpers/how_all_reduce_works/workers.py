@@ -113,8 +113,9 @@ def all_to_all_on(topology, n, size_bytes, device_bandwidth):
     bytes of some device's bandwidth: switch 1 hop; 2-D torus (sqrt(n) x sqrt(n), wrapped)
     about sqrt(n)/2 hops; ring about n/4 hops (going the shorter way round).
     """
-    hops = {"switch": 1, "2-D torus": max(1, math.sqrt(n) / 2), "ring": max(1, n / 4)}[topology]
+    hops = {"switch": 1, "torus_2d": max(1, math.sqrt(n) / 2), "ring": max(1, n / 4)}[topology]
     return (n - 1) / n * size_bytes * hops / device_bandwidth
 
 
-TOPOLOGIES = ["switch", "2-D torus", "ring"]
+TOPOLOGIES = ["switch", "torus_2d", "ring"]
+TOPOLOGY_LABELS = {"switch": "switch", "torus_2d": "2-D torus", "ring": "ring"}
