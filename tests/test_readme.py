@@ -21,6 +21,11 @@ def tables(lines: list) -> list:
     return found
 
 
+def test_the_readme_is_a_finished_page():
+    """No placeholder left for a number still to be measured."""
+    assert "TODO" not in README.read_text()
+
+
 def test_the_readme_is_at_most_150_lines():
     assert len(README.read_text().splitlines()) <= 150
 
