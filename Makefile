@@ -25,8 +25,10 @@ lab: setup
 PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=12
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 SLOWEST_FIRST := tests/test_browser.py notebooks/12_checkpoints_and_failures.ipynb \
-	tests/test_launcher.py notebooks/09_pipeline_parallelism.ipynb \
-	notebooks/07_zero_and_fsdp.ipynb tests/test_fitting_a_model.py
+	tests/test_exercises.py tests/test_launcher.py notebooks/09_pipeline_parallelism.ipynb \
+	notebooks/07_zero_and_fsdp.ipynb notebooks/04_measuring_communication.ipynb
+# Every file named once, in that order (pytest drops a file also covered by a folder given).
+ALL := $(SLOWEST_FIRST) $(filter-out $(SLOWEST_FIRST),$(NOTEBOOKS) $(wildcard tests/test_*.py))
 # Notebooks no rounding can change (whole numbers, timings nbval ignores, counts, messages,
 # bit-for-bit and float64 comparisons): the other-CPU tier leaves them out.
 ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_point.ipynb \
@@ -35,7 +37,7 @@ ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_p
 # Does the course work? The linter, every test but the soaks, every notebook against its
 # committed outputs (nbval), the slides in a real browser.
 test: setup lint
-	$(PYTEST) -m "not soak" $(NBVAL) $(SLOWEST_FIRST) $(NOTEBOOKS) tests
+	$(PYTEST) -m "not soak" $(NBVAL) $(ALL)
 
 # Rare faults, slow by design: repetition, races between processes, real torchrun jobs.
 soak: setup
@@ -47,13 +49,13 @@ soak: setup
 other-cpu: setup
 	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "notebook or (numerical and not once)" \
 		-k "not checker" $(NBVAL) --nbval-skip-timings \
-		$(filter-out $(ROUNDING_FREE),$(SLOWEST_FIRST) $(NOTEBOOKS)) tests
+		$(filter-out $(ROUNDING_FREE),$(ALL))
 
 # Every tier on this Python (.ci/run adds another Python's).
 ci: test soak other-cpu
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
-# launcher's tests and one notebook. `make test-python PYTHON=python3.13`
+# launcher's tests (its soaks included) and one notebook. `make test-python PYTHON=python3.13`
 OTHER_VENV := .venv-$(notdir $(PYTHON))
 test-python:
 	$(MAKE) setup VENV=$(OTHER_VENV)

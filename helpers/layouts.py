@@ -20,8 +20,6 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from helpers.tensor_parallelism.megatron import torch_plan
-
 UNITS = ("block", "layer")
 
 
@@ -37,6 +35,8 @@ def apply_fsdp(model: nn.Module, mesh, *, unit: str = "block", **options) -> nn.
 
 def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.Module:
     """parallelize_module each block of a TinyLM over `mesh` (1-D), with lesson 08's plan."""
+    from helpers.tensor_parallelism.megatron import torch_plan  # only here: FSDP needs no lesson 08
+
     for block in model.blocks:
         parallelize_module(block, mesh, torch_plan(sequence_parallel=sequence_parallel))
     return model

@@ -1,7 +1,7 @@
 """Lesson 12, failures and desyncs (helpers.checkpoints_and_failures.failures): a killed rank's
-peers learn at once and a frozen one's at the timeout; a rank out of step is found by DETAIL,
-monitored_barrier and the flight recorder; the `fell_out_of_step` checker rejects typical
-mistakes.
+peers learn from its broken connection, a frozen one's at their timeout; a rank out of step is
+found by DETAIL, monitored_barrier and the flight recorder; the `fell_out_of_step` checker rejects
+typical mistakes.
 
 No rounding can change these results (counts, messages, bit-for-bit comparisons of runs on the
 same kernels, float64 against one process): the file is not marked numerical."""

@@ -83,7 +83,10 @@ def names_taken(path: pathlib.Path) -> set:
     function; a module imported whole is "module:*" (a crossing must name what it takes)."""
     taken = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("helpers."):
+        if isinstance(node, ast.ImportFrom) and node.module == "helpers":  # a package whole
+            taken |= {f"helpers.{alias.name}:*" for alias in node.names if alias.name in LESSONS}
+        elif (isinstance(node, ast.ImportFrom) and node.module
+              and node.module.startswith("helpers.")):
             for alias in node.names:
                 child = f"{node.module}.{alias.name}"
                 whole = (HELPERS.parent / child.replace(".", "/")).with_suffix(".py").exists()
@@ -98,8 +101,7 @@ def test_a_lesson_takes_from_another_only_the_names_it_builds_on():
     crossings = {(lesson_of(module_name(path)), name)
                  for path in HELPERS.rglob("*.py") if lesson_of(module_name(path))
                  for name in names_taken(path)
-                 if lesson_of("helpers." + name.split(":")[0]) not in (
-                     None, lesson_of(module_name(path)))}
+                 if name.split(".")[0].split(":")[0] in LESSONS - {lesson_of(module_name(path))}}
     assert crossings - BUILDS_ON == set(), "declare the name in BUILDS_ON, or move it to helpers/"
     assert BUILDS_ON - crossings == set(), "a declared name that is no longer taken"
 

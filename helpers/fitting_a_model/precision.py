@@ -51,8 +51,8 @@ from helpers.zero_and_fsdp.fsdp import FSDP
 
 
 def losses(model, batches, dtype=None) -> list:
-    """Train a copy of `model` with AdamW (lesson 07's settings), one step per batch, forward and
-    loss under torch.autocast("cpu", dtype) (dtype None: plain float32). The loss of each step."""
+    """Train a copy of `model` with the course's AdamW, one step per batch, forward and loss
+    under torch.autocast("cpu", dtype) (dtype None: plain float32). The loss of each step."""
     model = copy.deepcopy(model)
     optimizer = reference.make_optimizer("adamw", model.parameters())
     found = []

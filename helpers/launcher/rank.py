@@ -87,7 +87,8 @@ def rank_entry(rank: int, job: Job, senders: list) -> None:
 
 
 def rank_main(rank: int, job: Job, result_conn) -> None:
-    """Entry point of one rank's process (called by torch.multiprocessing.start_processes)."""
+    """One rank's life, from rank_entry: output captured, the group joined, the worker run, one
+    message sent, and out."""
     os.setpgrp()  # own process group: the parent can kill this rank and anything it started
     _capture_output(job.out_dir, rank)
     os.environ.clear()
