@@ -74,4 +74,3 @@ def _names(source: str, context) -> set | None:
         found |= {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
                   if isinstance(node, ast.Import | ast.ImportFrom) for alias in node.names}
     return found
-

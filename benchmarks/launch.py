@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from helpers import run, spawn
 from helpers.launcher import pool
+from helpers.launcher.launch import loopback_interface
 from helpers.launcher.rank import join_and_leave
 
 
@@ -127,8 +128,7 @@ def main():
 
     # The floor's ranks find gloo on loopback, as run's do: the pool, started by the first run
     # below, inherits this.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", next(
-        name for _, name in socket.if_nameindex() if name.startswith("lo")))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     print(f"{os.cpu_count()} cores, torch {torch.__version__}; median of later launches, "
           f"in seconds\n")
     header = (f"{'ranks':>5} | {'floor':>6} {'run':>6} {'run/floor':>9} | {'run first':>9} | "

@@ -227,7 +227,7 @@ def _rank_environ(extra: dict, init_group: bool) -> dict:
     the variables of an env:// rendezvous for ranks that start their own group, then `extra`.
     The per-rank ones (RANK, LOCAL_RANK) are added in each rank."""
     environ = dict(os.environ)
-    loopback = _loopback_interface()
+    loopback = loopback_interface()
     if loopback:
         environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
@@ -241,7 +241,7 @@ def _rank_environ(extra: dict, init_group: bool) -> dict:
     return environ
 
 
-def _loopback_interface() -> str | None:
+def loopback_interface() -> str | None:
     """'lo' on Linux, 'lo0' on macOS. Binding gloo to it also skips a hostname lookup per rank."""
     names = [name for _, name in socket.if_nameindex()]
     return next((name for name in names if name.startswith("lo")), None)

@@ -134,9 +134,15 @@ def _wait_at_the_finish(rank: int, job: Job) -> None:
     for this rank (a recv with no send) must learn soon that it is gone: so the wait is short.
     """
     finish = dist.FileStore(finish_path(job.out_dir, job.attempt), job.world_size)
-    finish.add("finished", 1)
-    give_up = time.monotonic() + FINISH_WAIT_S
-    while finish.add("finished", 0) < job.world_size and time.monotonic() < give_up:
+    wait_for_every_rank(finish, "finished", job.world_size, FINISH_WAIT_S)
+
+
+def wait_for_every_rank(store, key: str, world_size: int, seconds: float | None = None) -> None:
+    """Count this rank in at `key` of `store`, then wait until all `world_size` ranks have (at
+    most `seconds`, when given)."""
+    store.add(key, 1)
+    give_up = None if seconds is None else time.monotonic() + seconds
+    while store.add(key, 0) < world_size and (give_up is None or time.monotonic() < give_up):
         time.sleep(0.002)
 
 
@@ -236,9 +242,7 @@ def join_and_leave(rank: int, store_file: str, world_size: int) -> None:
     own work (pickling, output, results, errors) adds to."""
     store = dist.FileStore(store_file, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    store.add("joined", 1)
-    while store.add("joined", 0) < world_size:
-        time.sleep(0.002)
+    wait_for_every_rank(store, "joined", world_size)
     os._exit(0)
 
 
