@@ -22,48 +22,55 @@ ZeroRedundancyOptimizer (PyTorch's ZeRO-1; DDP's default buckets).
 import argparse
 
 from helpers import reference, run
+from helpers.strategies import step_times_worker
 from helpers.zero_and_fsdp.workers import (
-    CONTENDERS,
-    STAGE_1_2_CONTENDERS,
-    stage_1_2_times_worker,
-    step_times_worker,
+    STAGE_1_2,
+    STAGE_1_2_LABELS,
+    ZERO_3,
+    ZERO_3_LABELS,
+    stage_1_2_contenders,
 )
 
 
+def times_and_bytes(world_size, contenders, model, batch, options):
+    """One run of strategies.step_times_worker: rank 0's (medians, held bytes)."""
+    out = run(step_times_worker, world_size, show_output=False, timeout=600, kwargs=dict(
+        contenders=contenders, model=model, batch=batch, iterations=options.iterations))[0]
+    return out["seconds"], out["held"]
+
+
 def stage_3(model, batch, options):
-    print(f"{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>26}" for name in CONTENDERS)
+    print(f"{'ranks':>5} | " + " ".join(f"{ZERO_3_LABELS[key] + ' (ms)':>26}" for key in ZERO_3)
           + f" | {'per layer':>9} {'per block':>9} | state bytes per rank (hand / fully_shard)")
     for world_size in options.world_sizes:
         for _ in range(options.repeats):
-            medians, held = run(step_times_worker, world_size,
-                                args=(model, batch, options.iterations), show_output=False,
-                                timeout=600)[0]
-            times = " ".join(f"{medians[name] * 1e3:>26.1f}" for name in CONTENDERS)
-            ratios = [medians[f"hand-built per {unit}"] / medians[f"fully_shard per {unit}"]
+            medians, held = times_and_bytes(world_size, ZERO_3, model, batch, options)
+            times = " ".join(f"{medians[key] * 1e3:>26.1f}" for key in ZERO_3)
+            ratios = [medians[f"hand_built_per_{unit}"] / medians[f"fully_shard_per_{unit}"]
                       for unit in ("layer", "block")]
-            state = {name: sum(parts.values()) for name, parts in held.items()}
+            state = {key: sum(parts.values()) for key, parts in held.items()}
             print(f"{world_size:>5} | {times} | {ratios[0]:>8.2f}x {ratios[1]:>8.2f}x | "
-                  f"{state['hand-built per block']:,} / {state['fully_shard per block']:,}",
+                  f"{state['hand_built_per_block']:,} / {state['fully_shard_per_block']:,}",
                   flush=True)
 
 
 def stages_1_and_2(model, batch, options):
-    bucketed = STAGE_1_2_CONTENDERS[1:3]
-    print(f"{'ranks':>5} | " + " ".join(f"{name + ' (ms)':>27}" for name in STAGE_1_2_CONTENDERS)
-          + " | " + " ".join(f"{name.split()[1] + ' / torch':>14}" for name in bucketed)
+    bucketed = ("bucketed_zero_1", "bucketed_zero_2")
+    print(f"{'ranks':>5} | "
+          + " ".join(f"{STAGE_1_2_LABELS[key] + ' (ms)':>27}" for key in STAGE_1_2)
+          + " | " + " ".join(f"{STAGE_1_2_LABELS[key].split()[1] + ' / torch':>14}"
+                             for key in bucketed)
           + " | optimizer state bytes on rank 0 (bucketed / torch)")
     for world_size in options.world_sizes:
         for _ in range(options.repeats):
-            medians, held = run(stage_1_2_times_worker, world_size, show_output=False,
-                                timeout=600, kwargs=dict(
-                                    model=model, batch=batch, iterations=options.iterations,
-                                    bucket_mb=options.bucket_mb))[0]
-            times = " ".join(f"{medians[name] * 1e3:>27.1f}" for name in STAGE_1_2_CONTENDERS)
-            torch_zero = medians["ZeroRedundancyOptimizer"]
-            ratios = " ".join(f"{medians[name] / torch_zero:>13.2f}x" for name in bucketed)
+            medians, held = times_and_bytes(world_size, stage_1_2_contenders(options.bucket_mb),
+                                            model, batch, options)
+            times = " ".join(f"{medians[key] * 1e3:>27.1f}" for key in STAGE_1_2)
+            torch_zero = medians["zero_redundancy_optimizer"]
+            ratios = " ".join(f"{medians[key] / torch_zero:>13.2f}x" for key in bucketed)
             print(f"{world_size:>5} | {times} | {ratios} | "
                   f"{held[bucketed[0]]['optimizer']:,} / "
-                  f"{held['ZeroRedundancyOptimizer']['optimizer']:,}", flush=True)
+                  f"{held['zero_redundancy_optimizer']['optimizer']:,}", flush=True)
 
 
 PARTS = {"3": ("ZeRO-3: the hand-built FSDP against fully_shard", stage_3),

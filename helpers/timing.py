@@ -5,7 +5,7 @@ summarised by its median after a warm-up.
 
     slowest_rank_seconds(step, group)         one call of step(), timed on the slowest rank
     take_turns(contenders, rounds, warmup)    {name: median seconds}, contenders interleaved
-    training_step(module, optimizer, ...)     zero_grad, forward, backward, finish, step
+    training_step(module, optimizer, ...)     zero_grad, forward, backward, step
     step_timeline(module, optimizer, ...)     the same step, observed: its compute spans and
                                               collectives, for drawing.plot_step_timelines
     observed_training(module, optimizer, ...) a step per batch on this rank's slice; the last
@@ -49,13 +49,11 @@ def take_turns(contenders: dict[Hashable, Callable[[], object]], rounds: int, wa
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
-def training_step(module, optimizer, loss_fn, inputs, targets, after_backward=None) -> None:
-    """One training step: zero_grad, forward, backward, `after_backward` (a hand-built
-    strategy's finish_gradient_synchronization, or None), optimizer step."""
+def training_step(module, optimizer, loss_fn, inputs, targets) -> None:
+    """One training step, as every strategy of helpers.strategies is trained: zero_grad,
+    forward, backward (which finishes a hand-built strategy's gradient sync at its end), step."""
     optimizer.zero_grad()
     loss_fn(module(inputs), targets).backward()
-    if after_backward is not None:
-        after_backward()
     optimizer.step()
 
 
@@ -69,12 +67,14 @@ def observed_training(module, optimizer, loss_fn, batches, rank, world_size) -> 
     return observed
 
 
-def step_timeline(module, optimizer, loss_fn, inputs, targets, after_backward=None,
-                  finishing="wait", collectives=("all_reduce",), steps=7) -> dict:
-    """`steps` training steps (the first a warm-up), each observed: the spans forward, backward,
-    `finishing` (after_backward, if any) and step, and every call of `collectives` from its
-    launch to its completion. Returns the step of median time: {"events": [(label, start_s,
-    end_s)] from the step's start, "step_seconds": the slowest rank's}. Every rank must call it."""
+def step_timeline(module, optimizer, loss_fn, inputs, targets, collectives=("all_reduce",),
+                  steps=7) -> dict:
+    """`steps` training steps (the first a warm-up), each observed: the spans forward, backward
+    and step, the spans a strategy marks inside them (instrument.span: DDP's "wait" at the end
+    of backward), and every call of `collectives` from its launch to its completion. Returns the
+    step of median time: {"events": [(label, start_s, end_s)] from the step's start, a marked
+    span cut out of the span around it, "step_seconds": the slowest rank's}. Every rank must
+    call it."""
     measured = []
     for _ in range(steps):
         observed = Observer()
@@ -86,15 +86,13 @@ def step_timeline(module, optimizer, loss_fn, inputs, targets, after_backward=No
                     loss = loss_fn(module(inputs), targets)
                 with observed.span("backward"):
                     loss.backward()
-                if after_backward is not None:
-                    with observed.span(finishing):
-                        after_backward()
                 with observed.span("step"):
                     optimizer.step()
 
         seconds = slowest_rank_seconds(step)
-        start = observed.spans[0].start
-        events = [(span.label, span.start - start, span.end - start) for span in observed.spans]
+        start = min(span.start for span in observed.spans)
+        events = [(label, begin - start, end - start)
+                  for label, begin, end in cut_out_inner(observed.spans)]
         events += [(TABLE_NAME.get(record.name, record.name), record.launched - start,
                     record.completed - start) for record in observed.records
                    if TABLE_NAME.get(record.name, record.name) in collectives
@@ -102,3 +100,22 @@ def step_timeline(module, optimizer, loss_fn, inputs, targets, after_backward=No
         measured.append({"events": events, "step_seconds": seconds})
     later = sorted(measured[1:], key=lambda step: step["step_seconds"])
     return later[len(later) // 2]
+
+
+def cut_out_inner(spans) -> list:
+    """[(label, start, end)] with every span that lies inside another cut out of it: the outer
+    one keeps the parts before and after, so that no two overlap (spans nest, never cross)."""
+    pieces = []
+    for span in sorted(spans, key=lambda span: (span.start, -span.end)):
+        inner = [other for other in spans if other is not span and span.start <= other.start
+                 and other.end <= span.end and (other.start, other.end) != (span.start, span.end)]
+        outermost = [other for other in inner if not any(
+            o is not other and o.start <= other.start and other.end <= o.end for o in inner)]
+        cursor = span.start
+        for other in sorted(outermost, key=lambda other: other.start):
+            if other.start > cursor:
+                pieces.append((span.label, cursor, other.start))
+            cursor = max(cursor, other.end)
+        if span.end > cursor:
+            pieces.append((span.label, cursor, span.end))
+    return sorted(pieces, key=lambda piece: piece[1])

@@ -73,7 +73,7 @@ def test_a_full_state_dict_is_written_and_read_by_rank_0_alone(tmp_path):
 
 # --- resharding ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout, ranks", [("fsdp", 2), ("dp_tp", 4), ("one_process", 1)])
+@pytest.mark.parametrize("layout, ranks", [("fully_shard", 2), ("dp_tp", 4), ("one_process", 1)])
 def test_a_4_rank_fsdp_checkpoint_loads_into_another_layout(checkpoint, layout, ranks):
     directory, out = checkpoint
     model, batches = model_and_batches()

@@ -99,10 +99,11 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}", checkpoints=True):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from helpers import strategies
         from helpers.checkpoints_and_failures.resume import checkpoint_path, latest_checkpoint
-        from helpers.checkpoints_and_failures.sharded import build, full_state
+        from helpers.checkpoints_and_failures.sharded import full_state
 
-        model, optimizer, _, _ = build("fsdp", world_size, job.model())
+        model, optimizer = strategies.build("fully_shard", job.model())
         lr_scheduler = job.scheduler(optimizer)
         sampler = job.sampler(rank, world_size)
         torch.manual_seed(job.seed + rank)

@@ -17,7 +17,7 @@ from checker import expect_rejection
 from compare import labelled
 from torch import nn
 
-from helpers import WorkerError, reference, run
+from helpers import WorkerError, reference, run, strategies
 from helpers.data_parallelism import ddp as hand_built
 from helpers.data_parallelism import experiments, plots, step_model, widgets, workers
 from helpers.instrument import Observer
@@ -89,8 +89,7 @@ def ddp_features_worker(rank, world_size):
     tokens = torch.tensor([[rank, 2 * rank + 1]])
     model.zero_grad()
     with Observer() as observed:
-        ddp(tokens).sum().backward()
-        ddp.finish_gradient_synchronization()
+        ddp(tokens).sum().backward()  # its end waits for the all_reduces (queued on the engine)
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     return {"after broadcast": after_broadcast, "frozen after a step": model[1].weight,
             "frozen grad": model[1].weight.grad, "buckets": len(ddp.buckets),
@@ -116,14 +115,12 @@ def test_ddp_broadcasts_rank_0_skips_frozen_weights_and_reduces_a_tied_one_once(
 def batch_norm_worker(rank, world_size, strategy):
     """Three SGD steps of a batch-norm model; its parameters and running statistics."""
     model = workers.EQUALITY_CASES["batch_norm"]["model"]()
-    module, after_backward = workers.wrap(model, strategy, bucket_mb=0.001)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    name, options = workers.contenders(bucket_mb=0.001, optimizer="sgd", lr=0.1)[strategy]
+    module, optimizer = strategies.build(name, model, **options)
     for batch in reference.mlp_data(seed=1, batch_size=8, dim=16, steps=3):
         local = batch.shard(rank, world_size)
         optimizer.zero_grad()
         reference.mse_loss(module(local.inputs), local.targets).backward()
-        if after_backward:
-            after_backward()
         optimizer.step()
     return model.state_dict()
 
@@ -147,7 +144,6 @@ def no_sync_decided_by_forward_worker(rank, world_size):
         outputs.sum().backward()  # outside the block, but its forward was inside: no all_reduce
         quiet = observed.calls().get("all_reduce", 0)
         ddp(torch.ones(1, 4)).sum().backward()
-        ddp.finish_gradient_synchronization()
     return quiet, observed.calls()["all_reduce"]
 
 
@@ -158,8 +154,7 @@ def test_no_sync_is_decided_by_the_forward_as_in_torch():
 def missing_gradient_worker(rank, world_size):
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     ddp = hand_built.DDP(model)
-    model[0](torch.ones(1, 2)).sum().backward()  # the second layer gets no gradient
-    ddp.finish_gradient_synchronization()
+    ddp.module[0](torch.ones(1, 2)).sum().backward()  # the second layer gets no gradient
 
 
 def test_a_parameter_without_gradient_is_named():
@@ -211,17 +206,17 @@ def test_bucketed_averaging_makes_one_call_per_bucket_of_the_right_size():
 
 def test_no_sync_accumulates_without_communication_and_gives_the_same_step():
     model, (batch,) = mlp_and_batches(batch_size=16, steps=1)
-    out = run(workers.accumulation_worker, 2, kwargs=dict(
-        model=model, batch=batch, micro_batches=4, lr=0.1), show_output=False)
     grads = reference.gradients(model, batch, reference.mse_loss)
-    for result in out:
-        for variant in ("no_sync", "every micro-batch"):
-            for name, param in model.named_parameters():
-                torch.testing.assert_close(result[variant]["parameters"][name],
+    params = len(list(model.parameters()))
+    for sync, reductions in (("last_micro_batch", 1), ("each_micro_batch", 4)):
+        out = run(strategies.accumulation_worker, 2, show_output=False, kwargs=dict(
+            strategy="ddp", model=model, batches=[batch], micro_batches=4, sync=sync,
+            optimizer="sgd", lr=0.1))
+        for result in out:
+            for name, param in model.named_parameters():  # SGD's first step: momentum unused
+                torch.testing.assert_close(result["parameters"][name],
                                            param.detach() - 0.1 * grads[name])
-        params = len(list(model.parameters()))
-        assert result["no_sync"]["all_reduce calls"] == params
-        assert result["every micro-batch"]["all_reduce calls"] == 4 * params
+            assert result["calls"]["all_reduce"] == reductions * params
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -426,8 +421,6 @@ def train_with_both_ddps_worker(rank, world_size):
         for _ in range(2):
             optimizer.zero_grad()
             reference.mse_loss(ddp(batch.inputs), batch.targets).backward()
-            if isinstance(ddp, hand_built.DDP):
-                ddp.finish_gradient_synchronization()
             optimizer.step()
     return True
 

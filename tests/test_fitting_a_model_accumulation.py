@@ -9,7 +9,7 @@ import pytest
 import torch
 from compare import labelled
 
-from helpers import reference, run
+from helpers import reference, run, strategies
 from helpers.fitting_a_model import accumulation
 
 # Lesson 07's MLP without biases: 4 Linears of 16 x 16, Psi = 1024, every weight divisible by
@@ -26,9 +26,11 @@ def model_and_batches(float64):
 
 
 def cases_worker(rank, world_size, cases, model, batches):
-    """accumulation_worker for each (strategy, micro_batches) in turn: one launch, many cases."""
-    return [accumulation.accumulation_worker(rank, world_size, strategy, model, batches, m)
-            for strategy, m in cases]
+    """strategies.accumulation_worker for each (key, micro_batches) in turn: one launch, many
+    cases."""
+    return [strategies.accumulation_worker(rank, world_size, model=model, batches=batches,
+                                           micro_batches=m, **accumulation.STRATEGIES[key])
+            for key, m in cases]
 
 
 @functools.cache

@@ -16,9 +16,9 @@ from checker import expect_rejection
 from compare import labelled
 from torch import nn
 
-from helpers import WorkerError, reference, run
+from helpers import WorkerError, reference, run, strategies
 from helpers.instrument import Observer
-from helpers.zero_and_fsdp import memory, plots, sharding, widgets, workers
+from helpers.zero_and_fsdp import fsdp, memory, plots, sharding, widgets, workers
 from helpers.zero_and_fsdp.bucketed_optimizer import BucketedShardedOptimizer
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
@@ -61,7 +61,7 @@ def test_zero_3_with_whole_blocks_as_units_trains_like_one_process(world_size):
     model, batches = float64_lm_and_batches()
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
     out = run(workers.training_worker, world_size,
-              args=(3, model, batches), kwargs={"units": "blocks"}, show_output=False)
+              args=(3, model, batches), kwargs={"unit": "block"}, show_output=False)
     for parameters in out:
         assert list(parameters) == list(single.parameters)
         for name, param in single.parameters.items():
@@ -71,7 +71,7 @@ def test_zero_3_with_whole_blocks_as_units_trains_like_one_process(world_size):
 def block_units_worker(rank, world_size):
     """Bytes sent and gathered for one step of a TinyLM whose blocks are units."""
     model = reference.make_lm(seed=0)
-    wrapped = workers.FSDP(model, units=model.blocks)
+    wrapped = fsdp.FSDP(model, units=model.blocks)
     batch = reference.lm_data(seed=1, batch_size=8)[0].shard(rank, world_size)
     with Observer() as observed:
         reference.lm_loss(wrapped(batch.inputs), batch.targets).backward()
@@ -215,11 +215,11 @@ def test_the_formulas_give_the_zero_papers_example():
 
 def test_hand_built_and_torch_fsdp_hold_the_same_bytes_give_or_take_the_final_norm():
     model, batches = lm_and_batches(tie_weights=False)
-    medians, held = run(workers.step_times_worker, 2, args=(model, batches[0], 1),
-                        show_output=False)[0]
-    assert set(medians) == set(workers.CONTENDERS)
+    out = run(strategies.step_times_worker, 2, show_output=False, kwargs=dict(
+        contenders=workers.ZERO_3, model=model, batch=batches[0], iterations=1))[0]
+    assert set(out["seconds"]) == set(workers.ZERO_3)
     final_norm = sum(param.numel() for param in model.norm.parameters())
-    hand, fully = held["hand-built per block"], held["fully_shard per block"]
+    hand, fully = out["held"]["hand_built_per_block"], out["held"]["fully_shard_per_block"]
     # fully_shard shards the final LayerNorm with the root; the hand-built FSDP keeps it whole
     assert hand["weights"] - fully["weights"] == 4 * final_norm // 2
     assert hand["gradients"] - fully["gradients"] == 4 * final_norm // 2
@@ -450,12 +450,11 @@ def dropout_unit_worker(rank, world_size, units):
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 8))
     model = nn.Sequential(block)
-    wrapped = workers.FSDP(model, units=[block] if units else None)
+    wrapped = fsdp.FSDP(model, units=[block] if units else None)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     torch.manual_seed(10 + rank)  # the masks: each rank its own
     x = torch.randn(4, 8)
     wrapped(x).square().mean().backward()
-    wrapped.finish_gradient_synchronization()
     optimizer.step()
     return wrapped.gather_full_params()
 
@@ -474,7 +473,7 @@ def refusing_worker(rank, world_size, case):
         model[1].weight = model[0].weight
     else:
         model = nn.Sequential(nn.Embedding(6, 4, sparse=True))
-    workers.FSDP(model)
+    fsdp.FSDP(model)
 
 
 @pytest.mark.parametrize("case, says", [
@@ -494,7 +493,7 @@ def test_gather_full_params_gives_the_unsharded_state_dict():
 
 
 def full_state_worker(rank, world_size, model):
-    return list(workers.FSDP(copy.deepcopy(model)).gather_full_params())
+    return list(fsdp.FSDP(copy.deepcopy(model)).gather_full_params())
 
 
 @pytest.mark.numerical
@@ -517,20 +516,22 @@ def test_the_fully_shard_recipe_trains_like_one_process():
 
 def test_stage_1_and_2_times_and_bytes_against_zero_redundancy_optimizer():
     model, batches = lm_and_batches(tie_weights=False)
-    medians, held = run(workers.stage_1_2_times_worker, 2, args=(model, batches[0], 1),
-                        show_output=False)[0]
-    assert set(medians) == set(workers.STAGE_1_2_CONTENDERS)
+    out = run(strategies.step_times_worker, 2, show_output=False, kwargs=dict(
+        contenders=workers.stage_1_2_contenders(bucket_mb=1.0), model=model, batch=batches[0],
+        iterations=1))[0]
+    assert set(out["seconds"]) == set(workers.STAGE_1_2)
+    held = out["held"]
     parameters = sum(param.numel() for param in model.parameters())
-    readable = held["readable ZeRO-1"]
+    readable = held["readable_zero_1"]
     assert readable["weights"] == readable["gradients"] == 4 * parameters  # whole, every rank
     assert readable["optimizer"] == 8 * parameters // 2 + 4 * len(list(model.parameters()))
     # bucketed, in buckets of 1 MiB (the whole model: one bucket, padded to an even size):
     # Adam's two moments of this rank's half, and one step count
-    assert held["bucketed ZeRO-1"]["optimizer"] == 8 * math.ceil(parameters / 2) + 4
-    assert held["bucketed ZeRO-2"]["gradients"] == 4 * math.ceil(parameters / 2)
+    assert held["bucketed_zero_1"]["optimizer"] == 8 * math.ceil(parameters / 2) + 4
+    assert held["bucketed_zero_2"]["gradients"] == 4 * math.ceil(parameters / 2)
     # ZeroRedundancyOptimizer gives each rank whole parameters: about half the state, not half
     # of every tensor; both hold the whole weights and gradients
-    torch_zero = held["ZeroRedundancyOptimizer"]
+    torch_zero = held["zero_redundancy_optimizer"]
     assert torch_zero["weights"] == 4 * parameters
     assert 0 < torch_zero["optimizer"] < 8 * parameters
 

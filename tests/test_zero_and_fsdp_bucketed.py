@@ -11,11 +11,10 @@ import torch
 from compare import labelled
 from torch import nn
 
-from helpers import WorkerError, reference, run
+from helpers import WorkerError, reference, run, strategies
 from helpers.instrument import Observer
 from helpers.zero_and_fsdp import workers
 from helpers.zero_and_fsdp.bucketed_optimizer import BucketedShardedOptimizer
-from helpers.zero_and_fsdp.memory import held_bytes
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
 # The trained parameters are results that are numbers: `make test` runs those tests again on
@@ -78,8 +77,9 @@ def test_gradient_accumulation_equals_one_process_on_the_whole_batch(stage):
     one reduce-scatter per bucket per micro-batch."""
     model, batches = float64_lm_and_batches()
     single = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
-    out = run(workers.accumulation_worker, 2, show_output=False, kwargs=dict(
-        stage=stage, model=model, batches=batches, micro_batches=2, bucket_mb=TINY_BUCKETS))
+    out = run(strategies.accumulation_worker, 2, show_output=False, kwargs=dict(
+        strategy=workers.STAGES[stage], model=model, batches=batches, micro_batches=2,
+        loss="lm", bucket_mb=TINY_BUCKETS))
     for result in out:
         for name, param in single.parameters.items():
             torch.testing.assert_close(result["parameters"][name], param, msg=labelled(name))
@@ -108,9 +108,8 @@ def state_worker(rank, world_size, gradient_sharding, bucket_mb):
     optimizer.zero_grad()
     with Observer() as observed:
         with observed.span("backward"):
-            reference.mse_loss(model(batch.inputs), batch.targets).backward()
-        optimizer.finish_gradient_synchronization()
-        held = held_bytes(model, optimizer)
+            reference.mse_loss(model(batch.inputs), batch.targets).backward()  # waits at its end
+        held = strategies.held_bytes(model, optimizer)
         with observed.span("step"):
             optimizer.step()
     state = sum(value.numel() * value.element_size() for piece_state in
@@ -159,19 +158,23 @@ def overlap_worker(rank, world_size):
         with observed.span("backward"):
             reference.lm_loss(model(batch.inputs), batch.targets).backward()
         optimizer.step()
-    backward = observed.spans[0]
+    spans = {span.label: span for span in observed.spans}
+    backward, wait = spans["backward"], spans["wait"]
     launches = [record.launched for record in observed.records
                 if record.name == "reduce_scatter_single"]
     return {"buckets": len(optimizer.buckets), "before the end": sum(
-        backward.start < launched < backward.end for launched in launches)}
+        backward.start < launched < backward.end for launched in launches),
+        "waited inside backward": backward.start < wait.start <= wait.end <= backward.end}
 
 
-def test_the_reduce_scatters_start_while_backward_runs():
+def test_the_reduce_scatters_start_and_end_while_backward_runs():
     """Every bucket's reduce-scatter is launched from a gradient hook inside backward (the last
-    one's too: autograd runs the hook before backward returns)."""
+    one's too: autograd runs the hook before backward returns), and waited for by the callback
+    the first hook queued on autograd's engine, before backward returns."""
     for result in run(overlap_worker, 2, show_output=False):
         assert result["buckets"] > 2
         assert result["before the end"] == result["buckets"]
+        assert result["waited inside backward"]
 
 
 class ToyModel(nn.Module):

@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils.data import DistributedSampler
 
-from helpers import reference
-from helpers.checkpoints_and_failures.sharded import build, full_state
+from helpers import reference, strategies
+from helpers.checkpoints_and_failures.sharded import full_state
 from helpers.training import mean_over
 
 PIECES = ("model", "optimizer", "sampler", "rng")  # what a checkpoint here holds
@@ -135,7 +135,7 @@ def resumable_worker(rank, world_size, experiment, directory, stop_after=None, o
     each "saved" (a log, a kill); "started" gives the step it starts after.
     Returns {step: loss averaged over ranks} for the steps this run trained, and the whole state
     at the end."""
-    model, optimizer, _, _ = build("fsdp", world_size, experiment.model())
+    model, optimizer = strategies.build("fully_shard", experiment.model())
     sampler = experiment.sampler(rank, world_size)
     torch.manual_seed(experiment.seed + rank)  # each rank draws its own noise
     position = {"epoch": 0, "offset": 0}
@@ -181,7 +181,7 @@ def one_process_losses(experiment, world_size: int) -> tuple:
     from that rank's own generator state) concatenated into one batch, on the model without
     FSDP. An experiment with a `scheduler(optimizer)` (the exercise's) steps it after each
     optimizer step. Returns ({step: loss}, {name: parameter})."""
-    model, optimizer, _, _ = build("one_process", 1, experiment.model())
+    model, optimizer = strategies.build("one_process", experiment.model())
     scheduler = experiment.scheduler(optimizer) if hasattr(experiment, "scheduler") else None
     samplers = [experiment.sampler(rank, world_size) for rank in range(world_size)]
     rng_states = [torch.manual_seed(experiment.seed + rank).get_state()
@@ -220,7 +220,7 @@ def async_save_worker(rank, world_size, experiment, directory, asynchronous=True
     starts the next.
     Returns the events [(what, start, end)] in seconds from the first step, the bytes staged
     (one more copy of this rank's state), and the whole state at the end."""
-    model, optimizer, _, _ = build("fsdp", world_size, experiment.model())
+    model, optimizer = strategies.build("fully_shard", experiment.model())
     sampler = experiment.sampler(rank, world_size)
     torch.manual_seed(experiment.seed + rank)
     saving_group = dist.new_group(backend="gloo")

@@ -21,11 +21,11 @@ layout: keys are the model's parameter names (the optimizer's state too, not par
 and values are DTensors, so a checkpoint saved by FSDP on 4 ranks loads into FSDP on 2, into DP x
 TP on a 2 x 2 mesh (helpers.layouts.apply_dp_tp), or into one process.
 
-    LAYOUTS                          "fsdp", "dp_tp", "one_process"
-    build(layout, world_size, model) the model laid out, with its AdamW
-    train(model, optimizer, batches, dp_rank, dp_size)
+    LAYOUTS                          "fully_shard", "dp_tp", "one_process" (helpers.strategies)
+    train(model, optimizer, batches, mesh)
     save_worker / load_worker        one save or load, its seconds and the bytes each rank wrote
                                      or read
+    hand_built_worker                lesson 07's ZeRO saved on some ranks, loaded on others
     ReadRecorder                     a FileSystemReader that notes every piece it reads
     pieces(directory)                the metadata's map, one row per stored piece
     full_state(model, optimizer)     the whole state, gathered to every rank, keyed by name
@@ -38,7 +38,6 @@ import os
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -49,43 +48,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 
-from helpers import reference
-from helpers.layouts import apply_dp_tp, apply_fsdp
+from helpers import reference, strategies
 from helpers.timing import slowest_rank_seconds
 
-LAYOUTS = ("fsdp", "dp_tp", "one_process")
+LAYOUTS = ("fully_shard", "dp_tp", "one_process")  # strategies the lesson loads into
 FULL_FILE = "full.pt"  # the full state dict's one file
 METADATA_FILE = ".metadata"  # DCP's map
 
 
-def build(layout: str, world_size: int, model):
-    """A copy of `model` (a TinyLM) laid out as `layout` on `world_size` ranks (helpers.layouts),
-    and its AdamW (the course's settings). Returns (model, optimizer, dp_rank, dp_size): the
-    data-parallel coordinates that say which slice of a batch this rank trains on."""
-    model = copy.deepcopy(model)
-    if layout == "fsdp":
-        apply_fsdp(model, init_device_mesh("cpu", (world_size,)))
-        dp_rank, dp_size = dist.get_rank(), world_size
-    elif layout == "dp_tp":
-        if world_size % 2:
-            raise ValueError(f"dp_tp puts 2 ranks in each tensor-parallel group; {world_size} "
-                             "ranks do not split in pairs")
-        mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
-        apply_dp_tp(model, mesh)
-        dp_rank, dp_size = mesh.get_local_rank("dp"), world_size // 2
-    elif layout == "one_process":
-        if world_size != 1:
-            raise ValueError(f"'one_process' runs on 1 rank, not {world_size}")
-        dp_rank, dp_size = 0, 1
-    else:
-        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-    return model, reference.make_optimizer("adamw", model.parameters()), dp_rank, dp_size
-
-
-def train(model, optimizer, batches, dp_rank: int, dp_size: int) -> list:
-    """A step per batch on this data-parallel rank's slice; the losses of this rank."""
+def train(model, optimizer, batches, mesh=None) -> list:
+    """A step per batch on this rank's slice of it (its slice along the mesh's "dp" dimension,
+    strategies.batch_shard); the losses of this rank."""
+    dp_rank, dp_size = strategies.batch_shard(mesh)
     losses = []
     for batch in batches:
         local = batch.shard(dp_rank, dp_size)
@@ -116,8 +91,8 @@ def save_worker(rank, world_size, model, batches, directory, how):
     save its model and optimizer state to `directory`, `how` = "full" or "dcp". Returns the
     seconds the save took (the slowest rank's, from a barrier), the bytes this rank wrote, and
     the whole state before saving (on rank 0), to compare loads with."""
-    model, optimizer, dp_rank, dp_size = build("fsdp", world_size, model)
-    train(model, optimizer, batches, dp_rank, dp_size)
+    model, optimizer = strategies.build("fully_shard", copy.deepcopy(model))
+    train(model, optimizer, batches)
     before = full_state(model, optimizer)
 
     def save():
@@ -142,11 +117,11 @@ def save_worker(rank, world_size, model, batches, directory, how):
             "state": before if rank == 0 else None}
 
 
-def load_worker(rank, world_size, model, directory, how, layout="fsdp"):
+def load_worker(rank, world_size, model, directory, how, layout="fully_shard"):
     """Load `directory` (saved by save_worker) into a fresh copy of `model` laid out as `layout`
     on `world_size` ranks. Returns the seconds the load took (slowest rank), the bytes this rank
     read, the pieces it read (DCP: rows of `pieces`), and the whole state after loading."""
-    model, optimizer, _, _ = build(layout, world_size, model)
+    model, optimizer = strategies.build(layout, copy.deepcopy(model))
     read = []
 
     def load():
@@ -176,6 +151,25 @@ def load_worker(rank, world_size, model, directory, how, layout="fsdp"):
     # FileSystemReader reads a stored piece's bytes for every request that needs part of it
     return {"seconds": seconds, "read": read, "bytes read": sum(piece.length for piece in read),
             "state": full_state(model, optimizer)}
+
+
+# --- the course's own strategies ----------------------------------------------------------------
+
+def hand_built_worker(rank, world_size, strategy, model, batches, directory, save, **options):
+    """A hand-built strategy (helpers.strategies: "ddp", "zero_1", "zero_2", "zero_3", with
+    `options`) on a copy of `model`. save=True: train a step per batch, then write its state to
+    `directory` with DCP. save=False: load that state, into any number of ranks, then train a
+    step per batch. Returns the whole parameters after the load (or before the save) and at the
+    end."""
+    model, optimizer = strategies.build(strategy, copy.deepcopy(model), **options)
+    if save:
+        train(model, optimizer, batches)
+        dcp.save(strategies.state_dict(model, optimizer), checkpoint_id=directory)
+        return {"start": None, "end": strategies.full_parameters(model)}
+    strategies.load(model, optimizer, directory)  # DCP reads this rank's overlap, in place
+    start = strategies.full_parameters(model)
+    train(model, optimizer, batches)
+    return {"start": start, "end": strategies.full_parameters(model)}
 
 
 # --- what DCP wrote, and what each rank read ----------------------------------------------------
@@ -234,8 +228,8 @@ def pieces(directory) -> list:
 def one_process_state(model, batches) -> dict:
     """The reference: `model` trained in this process, a step per whole batch, with the same
     AdamW; its state in full_state's form. No process group."""
-    model, optimizer, _, _ = build("one_process", 1, model)
-    train(model, optimizer, batches, 0, 1)
+    model, optimizer = strategies.build("one_process", copy.deepcopy(model))
+    train(model, optimizer, batches)
     return {"model": {name: value.detach().clone() for name, value in model.state_dict().items()},
             "optimizer": {name: {key: value.clone() for key, value in
                                  optimizer.state[parameter].items()}

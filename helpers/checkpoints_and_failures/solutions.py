@@ -3,6 +3,7 @@
 import torch
 import torch.distributed.checkpoint as dcp
 
+from helpers import strategies
 from helpers.checkpoints_and_failures.failures import records
 from helpers.checkpoints_and_failures.resume import (
     advance,
@@ -11,13 +12,13 @@ from helpers.checkpoints_and_failures.resume import (
     load_training,
     training_state,
 )
-from helpers.checkpoints_and_failures.sharded import build, full_state
+from helpers.checkpoints_and_failures.sharded import full_state
 from helpers.reference import lm_loss
 from helpers.training import mean_over
 
 
 def resumable(rank, world_size, job, directory):
-    model, optimizer, _, _ = build("fsdp", world_size, job.model())
+    model, optimizer = strategies.build("fully_shard", job.model())
     scheduler = job.scheduler(optimizer)
     sampler = job.sampler(rank, world_size)
     torch.manual_seed(job.seed + rank)

@@ -45,10 +45,10 @@ def dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
         local = batch.shard(place["dp"], grid.sizes[0])
         optimizer.zero_grad()
         # forward and backward: tensor parallelism's all-reduces, on the tp group; in backward,
-        # DDP's hooks also launch each gradient's all-reduce on the dp group as it is ready
+        # DDP's hooks also launch each gradient's all-reduce on the dp group as it is ready, and
+        # the end of backward waits for them
         loss = reference.lm_loss(model(local.inputs), local.targets)
         loss.backward()
-        model.finish_gradient_synchronization()  # data parallelism: wait for the dp averages
         optimizer.step()
         losses.append(mean_over(loss.item(), groups["dp"]))
     return {"place": place, "losses": losses,

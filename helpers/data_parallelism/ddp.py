@@ -15,8 +15,13 @@ the gradients over the ranks makes every rank's optimizer step the step of the w
                  filled in the reverse order of the parameters, a guess at the order backward
                  produces them (torch's DDP records the real order in its first step and
                  rebuilds its buckets in that order)
-  finish_gradient_synchronization()   waits for every all_reduce; call it before optimizer.step()
-                 (torch's DDP needs no such call: it queues the wait at the end of backward)
+  end of backward   finish_gradient_synchronization() waits for every all_reduce and puts the
+                 averages into the .grad tensors. The first gradient of a backward queues it on
+                 autograd's engine (`at_end_of_backward`), which runs it when the backward ends,
+                 as torch's DDP queues its own wait: the caller's loop stays forward, backward,
+                 optimizer.step()
+`AverageAfterBackward(module)` is the lecture's loop in the same form: average_gradients, queued
+at the end of backward.
 Parameters with requires_grad=False are never communicated; a parameter used twice (tied
 weights) is one parameter, and autograd calls its hook once, with both uses summed.
 """
@@ -29,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.instrument import span
+
 
 def average_gradients(module: nn.Module, group=None) -> None:
     """The lecture's loop: after backward, one blocking all_reduce per parameter (the naive DDP).
@@ -37,6 +44,49 @@ def average_gradients(module: nn.Module, group=None) -> None:
     for param in module.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=group)
+
+
+def at_end_of_backward(callback) -> None:
+    """Run `callback()` when the backward now running ends, after every gradient of it has been
+    accumulated. Call it from inside backward (a gradient hook): autograd's engine keeps the
+    callbacks of the backward it is running, and runs them, in order, before backward()
+    returns. torch's DDP queues its wait the same way (Reducer::mark_variable_ready in
+    torch/csrc/distributed/c10d/reducer.cpp)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def broadcast_from_first(tensors, group=None) -> None:
+    """Every rank's `tensors` become the first rank of `group`'s (replicas start equal)."""
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    for tensor in tensors:
+        dist.broadcast(tensor.data, src=source, group=group)
+
+
+class AverageAfterBackward(nn.Module):
+    """The lecture's loop (average_gradients) as a module: the first gradient of each backward
+    queues the averaging at the end of that backward. Replicas start from the first rank's
+    weights."""
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        self.module, self.group, self._queued = module, group, False
+        broadcast_from_first([*module.parameters(), *module.buffers()], group)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self.gradient_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def gradient_ready(self, param):
+        if not self._queued:
+            self._queued = True
+            at_end_of_backward(self.average)
+
+    def average(self):
+        self._queued = False
+        with span("naive all_reduces"):  # (a label for helpers.instrument's timelines)
+            average_gradients(self.module, self.group)
 
 
 class Bucket:
@@ -83,14 +133,14 @@ class DDP(nn.Module):
         super().__init__()
         self.module, self.group = module, group
         self.source = dist.get_global_rank(group, 0) if group is not None else 0
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=self.source, group=group)
+        broadcast_from_first([*module.parameters(), *module.buffers()], group)
         trainable = [param for param in module.parameters() if param.requires_grad]
         self.buckets = make_buckets(list(reversed(trainable)), bucket_mb)
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         self._pending = []  # (work, bucket) of every all_reduce launched in this backward
         self.require_gradient_sync = True  # False inside no_sync()
         self._sync_this_backward = True  # what the last forward decided
+        self._finish_queued = False  # whether this backward has queued its finish
         for param in trainable:
             param.register_post_accumulate_grad_hook(self.gradient_ready)
 
@@ -116,6 +166,9 @@ class DDP(nn.Module):
     def gradient_ready(self, param):
         if not self._sync_this_backward:
             return
+        if not self._finish_queued:  # the first gradient of this backward
+            self._finish_queued = True
+            at_end_of_backward(self.finish_gradient_synchronization)
         bucket = self._bucket_of[param]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):  # its last gradient: send the bucket
@@ -132,7 +185,11 @@ class DDP(nn.Module):
         self._pending.append((work, bucket))
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every bucket's all_reduce and put the averages into the .grad tensors."""
+        """Wait for every bucket's all_reduce and put the averages into the .grad tensors. Runs
+        at the end of each backward that synchronizes; a second call does nothing."""
+        self._finish_queued = False
+        if not any(bucket.ready for bucket in self.buckets):  # nothing launched since the last
+            return
         waiting = [bucket for bucket in self.buckets if bucket.ready < len(bucket.params)]
         if self._sync_this_backward and waiting:  # the ranks' all_reduces would stop matching
             names = {param: name for name, param in self.module.named_parameters()}
@@ -140,11 +197,12 @@ class DDP(nn.Module):
             raise RuntimeError(
                 f"no gradient arrived for {', '.join(missing)} in this backward: this DDP needs "
                 "every parameter used in every step (torch's DDP has find_unused_parameters)")
-        for work, bucket in self._pending:
-            work.wait()
-            if bucket.flat is not None:
-                for view, param in zip(bucket.views, bucket.params):
-                    param.grad.copy_(view.view_as(param))
+        with span("wait"):  # (a label for helpers.instrument's timelines)
+            for work, bucket in self._pending:
+                work.wait()
+                if bucket.flat is not None:
+                    for view, param in zip(bucket.views, bucket.params):
+                        param.grad.copy_(view.view_as(param))
         self._pending.clear()
         for bucket in self.buckets:
             bucket.ready = 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import os
 
 import torch
@@ -18,33 +17,30 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from helpers import reference
+from helpers import reference, strategies
 from helpers.cost_model import bandwidths
-from helpers.data_parallelism.ddp import DDP, average_gradients, bucket_indices
+from helpers.data_parallelism.ddp import average_gradients, bucket_indices
 from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 from helpers.instrument import Observer
-from helpers.timing import slowest_rank_seconds, step_timeline, take_turns, training_step
+from helpers.timing import slowest_rank_seconds, step_timeline, take_turns
 
 LOSSES = {"mean": reference.mse_loss,
           "sum": lambda outputs, targets: F.mse_loss(outputs, targets, reduction="sum")}
-STRATEGIES = ("naive", "overlapped", "bucketed", "torch_ddp")
+# The four ways to average gradients: {key: (strategy, build options)} (helpers.strategies)
+STRATEGIES = {"naive": ("naive", {}), "overlapped": ("ddp", {"bucket_mb": None}),
+              "bucketed": ("ddp", {}), "torch_ddp": ("torch_ddp", {})}
 LABELS = {"naive": "naive", "overlapped": "overlapped", "bucketed": "bucketed",
           "torch_ddp": "torch DDP"}
 
 
-def wrap(model: nn.Module, strategy: str, bucket_mb: float = 1.0):
-    """The model as `strategy` trains it; returns (the module to call, what to do after
-    backward). naive: the lecture's loop after backward; overlapped: DDP, one all_reduce per
-    gradient during backward; bucketed: DDP with buckets of `bucket_mb`; torch_ddp: PyTorch's own,
-    with the same bucket size."""
-    if strategy == "naive":
-        return model, lambda: average_gradients(model)
-    if strategy in ("overlapped", "bucketed"):
-        ddp = DDP(model, bucket_mb=None if strategy == "overlapped" else bucket_mb)
-        return ddp, ddp.finish_gradient_synchronization
-    if strategy == "torch_ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb), None
-    raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+def contenders(bucket_mb: float = 1.0, optimizer: str = "adamw", lr: float = 1e-2) -> dict:
+    """STRATEGIES as strategies.build takes them, {key: (name, options)}: naive, the lecture's
+    loop at the end of backward; overlapped, DDP with one all_reduce per gradient during
+    backward; bucketed, DDP with buckets of `bucket_mb`; torch_ddp, PyTorch's own, with the same
+    bucket size."""
+    return {key: (name, {"bucket_mb": bucket_mb, **options, "optimizer": optimizer, "lr": lr}
+                  if name != "naive" else {"optimizer": optimizer, "lr": lr})
+            for key, (name, options) in STRATEGIES.items()}
 
 
 def my_slice(batch: reference.Batch, rank: int, world_size: int) -> reference.Batch:
@@ -71,28 +67,25 @@ def simple_data_parallel_worker(rank, world_size, model, batches):
 def data_parallel_worker(rank, world_size, model, batches, strategy="naive", bucket_mb=1.0,
                          optimizer="adamw", lr=1e-2, loss="mean", seed_per_rank=False):
     """Train a replica of `model` on this rank's slice of every batch, averaging the gradients
-    with `strategy`. Returns {"parameters": name -> tensor after the last step, "losses": the
-    loss of the whole batch at each step (the average of the ranks' losses)}.
+    with `strategy` (STRATEGIES). Returns {"parameters": name -> tensor after the last step,
+    "losses": the loss of the whole batch at each step (the average of the ranks' losses)}.
 
     `seed_per_rank` seeds torch's global random generator with the rank, so each rank draws its
     own dropout masks, as independent replicas would."""
     torch.manual_seed(rank if seed_per_rank else 0)
-    model = copy.deepcopy(model)
-    module, after_backward = wrap(model, strategy, bucket_mb)
-    opt = reference.make_optimizer(optimizer, model.parameters(), lr)
+    name, options = contenders(bucket_mb, optimizer, lr)[strategy]
+    module, opt = strategies.build(name, copy.deepcopy(model), **options)
     losses = []
     for batch in batches:
         local = my_slice(batch, rank, world_size)
         opt.zero_grad()
         value = LOSSES[loss](module(local.inputs), local.targets)
         value.backward()
-        if after_backward:
-            after_backward()
         opt.step()
         whole = value.detach().clone()
         dist.all_reduce(whole, op=dist.ReduceOp.AVG)
         losses.append(whole.item())
-    return {"parameters": reference.parameters(model), "losses": losses}
+    return {"parameters": strategies.full_parameters(module), "losses": losses}
 
 
 def _dropout_model():
@@ -145,36 +138,27 @@ def replicas_worker(rank, world_size, start, steps):
 
 def timeline_worker(rank, world_size, strategy, bucket_mb, dim, num_layers, batch_size, steps=7):
     """Training steps of an MLP of `num_layers` Linear(dim, dim), measured: the forward, the
-    backward, every all_reduce (from its launch to its end), the wait for them, and the optimizer
-    step. Strategies naive, overlapped or bucketed. Of `steps` steps, returns the one of median
-    time (the first is a warm-up): its events [(label, start_s, end_s)] from the step's common
-    start, and its time (the slowest rank's)."""
+    backward, every all_reduce (from its launch to its end), the wait for them at the end of
+    backward, and the optimizer step. Strategies naive, overlapped or bucketed. Of `steps` steps,
+    returns the one of median time (the first is a warm-up): its events [(label, start_s, end_s)]
+    from the step's common start, and its time (the slowest rank's)."""
     model = reference.make_mlp(dim, num_layers, seed=0)
     batch = reference.mlp_data(seed=1, batch_size=batch_size, dim=dim)[0].shard(rank, world_size)
-    module, after_backward = wrap(model, strategy, bucket_mb)
-    opt = reference.make_optimizer("sgd", model.parameters(), 1e-3)
-    # naive: every all_reduce, one after another; else: the wait for those backward launched
-    finishing = "naive all_reduces" if strategy == "naive" else "wait"
+    name, options = contenders(bucket_mb, "sgd", 1e-3)[strategy]
+    module, opt = strategies.build(name, model, **options)
     return step_timeline(module, opt, reference.mse_loss, batch.inputs, batch.targets,
-                         after_backward, finishing=finishing, steps=steps)
+                         steps=steps)
 
 
 def step_times_worker(rank, world_size, dim, layers, batch_size, bucket_mb, iterations):
-    """Four copies of the same MLP (`layers` Linear(dim, dim)), one per strategy, take turns
-    training on this rank's slice of a batch of `batch_size`; every step starts after a barrier
-    and lasts as long as the slowest rank. Returns each strategy's median step time (s)."""
-    batch = my_slice(reference.mlp_data(seed=1, batch_size=batch_size, dim=dim)[0], rank,
-                     world_size)
-    contenders = {}
-    for strategy in STRATEGIES:
-        model = reference.make_mlp(dim, layers, seed=0)
-        module, after_backward = wrap(model, strategy, bucket_mb)
-        optimizer = reference.make_optimizer("sgd", model.parameters(), 1e-3)
-        contenders[strategy] = functools.partial(
-            training_step, module, optimizer, reference.mse_loss, batch.inputs, batch.targets,
-            after_backward)
-    # The first step of each is a warm-up (torch DDP rebuilds its buckets after it).
-    return take_turns(contenders, rounds=iterations, warmup=1)
+    """The MLP (`layers` Linear(dim, dim)) trained by each of STRATEGIES, taking turns on this
+    rank's slice of a batch of `batch_size` (strategies.step_times_worker). Returns each
+    strategy's median step time (s)."""
+    batch = reference.mlp_data(seed=1, batch_size=batch_size, dim=dim)[0]
+    return strategies.step_times_worker(
+        rank, world_size, contenders(bucket_mb, "sgd", 1e-3),
+        model=reference.make_mlp(dim, layers, seed=0), batch=batch, iterations=iterations,
+        loss="mse")["seconds"]
 
 
 def back_to_back_worker(rank, world_size, sizes, repeats=10):
@@ -214,33 +198,6 @@ def averaging_time_worker(rank, world_size, sizes, bucket_sizes, repeats=5):
     return {bucket_bytes: {"seconds": seconds[bucket_bytes],
                            "bucket bytes": [b.numel() * 4 for b in buckets[bucket_bytes]]}
             for bucket_bytes in bucket_sizes}
-
-
-def accumulation_worker(rank, world_size, model, batch, micro_batches, lr):
-    """Gradient accumulation with DDP.no_sync: the rank's slice is cut into `micro_batches`;
-    every backward but the last runs inside no_sync (no communication), each loss scaled by
-    1 / micro_batches. Returns the parameters after one SGD step and how many all_reduces each
-    variant launched: with no_sync, and averaging after every micro-batch."""
-    local = batch.shard(rank, world_size)
-    pieces = list(zip(local.inputs.chunk(micro_batches), local.targets.chunk(micro_batches)))
-    results = {}
-    for variant in ("no_sync", "every micro-batch"):
-        replica = copy.deepcopy(model)
-        ddp = DDP(replica, bucket_mb=None)
-        with Observer() as observed:
-            for index, (inputs, targets) in enumerate(pieces):
-                last = index == len(pieces) - 1
-                quiet = variant == "no_sync" and not last
-                with ddp.no_sync() if quiet else contextlib.nullcontext():
-                    (reference.mse_loss(ddp(inputs), targets) / micro_batches).backward()
-                if not quiet:
-                    ddp.finish_gradient_synchronization()
-        with torch.no_grad():
-            for param in replica.parameters():
-                param -= lr * param.grad
-        results[variant] = {"parameters": reference.parameters(replica),
-                            "all_reduce calls": observed.calls().get("all_reduce", 0)}
-    return results
 
 
 def sampler_worker(rank, world_size, dataset_size, epochs, drop_last):

@@ -17,9 +17,5 @@ NOTEBOOK = "11_fitting_a_model.ipynb"
 BUILDS_ON = {
     "tensor_parallelism.memory:block_formula":
         "lesson 08's count of the tensors a Block keeps for backward",
-    "data_parallelism.ddp:DDP": "lesson 06's DDP and its no_sync, accumulating gradients",
     "zero_and_fsdp.fsdp:FSDP": "lesson 07's FSDP, computing in bfloat16 beside FSDP2's policy",
-    "zero_and_fsdp.workers:Trainer": "lesson 07's ZeRO stages, accumulating gradients",
-    "zero_and_fsdp.workers:torch_model": "lesson 07's fully_shard, accumulating gradients",
-    "zero_and_fsdp.memory:held_bytes": "lesson 07's count of the bytes a rank holds",
 }

@@ -22,7 +22,7 @@ Deferring the reduction (DDP's no_sync, ZeRO-1's step) makes accumulation free i
 whole gradients; ZeRO-2 keeps pieces and pays a reduce-scatter per micro-batch. ZeRO-3 gathers the
 weights for every micro-batch whatever it does with the gradients; turning FSDP2's gradient sync
 off saves m-1 reduce-scatters and holds whole gradients, as ZeRO-1 does. "Held" is measured
-after each backward (memory.held_bytes), not the transient peak inside one.
+after each backward (strategies.held_bytes), not the transient peak inside one.
 
 fully_shard, measured at n = 2: one all_gather_single per Linear in every forward and again in
 every backward (2m per Linear per step), and one reduce_scatter_single per Linear in the last
@@ -33,121 +33,24 @@ holds no parameter of its own, so every weight is gathered 2m times. (A root's o
 final norm, would be gathered m times.) With sync off, FSDPParamGroup.post_backward
 (_fsdp_param_group.py) reshards the weights but leaves each whole gradient on
 FSDPParam.unsharded_param.grad (_fsdp_param.py; on unsharded_accumulated_grad with a reduce dtype):
-no public API shows them, so `fsdp2_whole_gradients` reads these torch internals.
+no public API shows them, so `strategies.fsdp2_whole_gradients` reads these torch internals.
+
+Every strategy runs in one loop, `strategies.accumulation_worker`, with the keywords of
+STRATEGIES.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
-
-from helpers import reference
-from helpers.data_parallelism.ddp import DDP
-from helpers.instrument import Observer
-from helpers.zero_and_fsdp.memory import held_bytes
-from helpers.zero_and_fsdp.workers import Trainer, torch_model
-
+# Each strategy of the table: {key: what strategies.accumulation_worker takes, as keywords}
 STRATEGIES = {
-    "ddp_no_sync": "lesson 06's DDP, micro-batches 1..m-1 in no_sync()",
-    "zero_1": "ShardedOptimizer: whole gradients until step()",
-    "zero_2": "ShardedOptimizer(gradient_sharding=True): pieces",
-    "zero_3": "lesson 07's FSDP, per layer",
-    "fsdp2_sync_on_last": "fully_shard, gradient sync on the last micro-batch only",
+    "ddp_no_sync": dict(strategy="ddp", sync="last_micro_batch"),  # lesson 06's DDP
+    "zero_1": dict(strategy="zero_1"),  # ShardedOptimizer: whole gradients until step()
+    "zero_2": dict(strategy="zero_2"),  # ShardedOptimizer(gradient_sharding=True): pieces
+    "zero_3": dict(strategy="zero_3", unit="layer"),  # lesson 07's FSDP, per layer
+    "fsdp2_sync_on_last": dict(strategy="fully_shard", unit="layer", sync="last_micro_batch"),
 }
 LABELS = {"ddp_no_sync": "DDP, no_sync", "zero_1": "ZeRO-1", "zero_2": "ZeRO-2",
           "zero_3": "ZeRO-3", "fsdp2_sync_on_last": "FSDP2, sync on the last"}
-
-
-@dataclass
-class Setup:
-    """One rank's model for a strategy: what to call, its optimizer, the context each
-    micro-batch's forward and backward run in (given whether it is the last), what to call
-    before the optimizer's step, the whole parameters, and gradients held_bytes does not see."""
-    module: nn.Module
-    optimizer: torch.optim.Optimizer
-    full_parameters: Callable[[], dict]
-    micro_batch: Callable[[bool], contextlib.AbstractContextManager] = \
-        lambda last: contextlib.nullcontext()
-    finish: Callable[[], None] = lambda: None
-    hidden_gradients: Callable[[], list] = list
-
-
-def _ddp(model):
-    ddp = DDP(model)
-    return Setup(ddp, reference.make_optimizer("adamw", model.parameters()),
-                 lambda: reference.parameters(model),
-                 micro_batch=lambda last: contextlib.nullcontext() if last else ddp.no_sync(),
-                 finish=ddp.finish_gradient_synchronization)
-
-
-def _zero(stage):
-    def build(model):  # the readable ShardedOptimizer (stages 1, 2) or the per-layer FSDP (3)
-        trainer = Trainer(model, stage)
-        return Setup(trainer.module, trainer.optimizer, trainer.full_parameters,
-                     finish=trainer.after_backward)
-    return build
-
-
-def _fsdp2(model):
-    module, optimizer = torch_model("fully_shard", model, unit="layer")
-
-    def sync_if_last(last):
-        module.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-
-    return Setup(module, optimizer, lambda: {name: param.full_tensor().detach() for name, param
-                                             in module.named_parameters()},
-                 micro_batch=sync_if_last, hidden_gradients=lambda: fsdp2_whole_gradients(module))
-
-
-BUILD = {"ddp_no_sync": _ddp, "zero_1": _zero(1), "zero_2": _zero(2), "zero_3": _zero(3),
-         "fsdp2_sync_on_last": _fsdp2}
-
-
-def fsdp2_whole_gradients(module: nn.Module) -> list:
-    """The whole gradients FSDP2 accumulates while gradient sync is off (torch internals, see the
-    module docstring), for every fully_shard'ed module inside `module`; None where there is none."""
-    states = {id(state): state for sub in module.modules() if isinstance(sub, FSDPModule)
-              for state in [sub._get_fsdp_state()]}
-    groups = [state._fsdp_param_group for state in states.values()]
-    return [grad for group in groups if group is not None for param in group.fsdp_params
-            for grad in (param.unsharded_param.grad, param.unsharded_accumulated_grad)]
-
-
-def gradient_bytes(setup: Setup) -> int:
-    hidden = sum(grad.untyped_storage().nbytes() for grad in setup.hidden_gradients()
-                 if grad is not None)
-    return held_bytes(setup.module, setup.optimizer)["gradients"] + hidden
-
-
-def accumulation_worker(rank, world_size, strategy, model, batches, micro_batches):
-    """Train a copy of `model` with `strategy` (STRATEGIES): each batch one optimizer step on this
-    rank's slice, in `micro_batches` micro-batches. Returns the full parameters after the last
-    step, the bytes sent in it by collective ("sent") and the calls ("calls"), and the most
-    gradient bytes held after any of its micro-batches' backward ("gradient bytes")."""
-    check_strategy(strategy)
-    setup = BUILD[strategy](copy.deepcopy(model))
-    for batch in batches:
-        local = batch.shard(rank, world_size)
-        setup.optimizer.zero_grad()
-        most = 0
-        with Observer() as observed:
-            for part in range(micro_batches):
-                micro = local.shard(part, micro_batches)
-                with setup.micro_batch(part == micro_batches - 1):
-                    loss = reference.mse_loss(setup.module(micro.inputs), micro.targets)
-                    (loss / micro_batches).backward()
-                most = max(most, gradient_bytes(setup))
-            setup.finish()
-            setup.optimizer.step()
-    return {"parameters": setup.full_parameters(), "sent": observed.sent(),
-            "calls": observed.calls(), "gradient bytes": most}
 
 
 def sent_formula(strategy: str, num_parameters: int, world_size: int, micro_batches: int,

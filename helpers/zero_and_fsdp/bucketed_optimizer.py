@@ -18,8 +18,10 @@ buckets during backward, but shards each param group's whole flat buffer):
   backward      a gradient hook copies each gradient into its bucket's flat gradient buffer;
                 when a bucket's last gradient arrives, an asynchronous reduce_scatter (AVG)
                 sends the bucket while backward goes on with the rest
-  step()        finish_gradient_synchronization() waits for the reduce-scatters (you may call
-                it yourself first, as with lesson 06's DDP); the inner optimizer updates the
+  end of backward  finish_gradient_synchronization(), queued on autograd's engine by the first
+                gradient of the backward (as lesson 06's DDP queues its wait), waits for the
+                reduce-scatters and gives each piece its averaged gradient
+  step()        the inner optimizer updates the
                 pieces; one all_gather per bucket brings every rank's updated pieces back into
                 the flat buffers, and so into the parameters, which are views of them
   stages        stage 1 keeps the full gradient buffers (each .grad is a view of one, as torch
@@ -40,7 +42,6 @@ hyperparameters apply to its pieces.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -48,7 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.data_parallelism.ddp import bucket_indices
+from helpers.data_parallelism.ddp import at_end_of_backward, bucket_indices
+from helpers.instrument import span
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
 
@@ -121,8 +123,8 @@ class BucketedShardedOptimizer(ShardedOptimizer):
         self.inner = optimizer_cls(inner_groups)
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         self.pending = []  # an InFlight for every reduce-scatter not yet waited for
+        self.finish_queued = False  # whether this backward has queued its finish
         for param in self.bucket_of:
-            param.register_hook(functools.partial(self.gradient_arriving, param))
             param.register_post_accumulate_grad_hook(self.gradient_ready)
 
     @staticmethod
@@ -138,17 +140,12 @@ class BucketedShardedOptimizer(ShardedOptimizer):
                 buckets.append(ShardedBucket([same[i] for i in indices], rank, world_size))
         return buckets
 
-    def gradient_arriving(self, param, grad):
-        """Inside backward, before autograd adds `grad` into param.grad. If `param`'s gradient
-        already arrived, a new backward has begun before the last one's synchronization was
-        finished (gradient accumulation): wait for the last one's reduce-scatters, which may
-        still be reading the buffers that autograd is about to add into."""
-        if param in self.bucket_of[param].arrived:
-            self.finish_gradient_synchronization()
-
     def gradient_ready(self, param):
         """Inside backward, once `param`'s gradient is complete: into the bucket's gradient
         buffer; the bucket's last gradient starts its reduce-scatter."""
+        if not self.finish_queued:  # the first gradient of this backward
+            self.finish_queued = True
+            at_end_of_backward(self.finish_gradient_synchronization)
         bucket = self.bucket_of[param]
         if bucket.gradients is None:
             bucket.gradients = torch.zeros_like(bucket.weights)  # the padding stays 0
@@ -169,7 +166,8 @@ class BucketedShardedOptimizer(ShardedOptimizer):
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every reduce-scatter that backward started, and give each piece its
-        averaged gradient. Call it after backward, or let step() call it."""
+        averaged gradient. Runs at the end of backward."""
+        self.finish_queued = False
         missing = [param for bucket in self.buckets for param in bucket.params
                    if param not in bucket.arrived]
         if missing and any(bucket.arrived for bucket in self.buckets):
@@ -178,7 +176,8 @@ class BucketedShardedOptimizer(ShardedOptimizer):
                 f"no gradient arrived for {len(missing)} trainable parameters in this backward "
                 f"(shapes {shapes}{', ...' if len(missing) > 4 else ''}): every rank must "
                 "reduce every bucket, so every trainable parameter must be used in every step")
-        self.collect(keep=0)
+        with span("wait"):  # (a label for helpers.instrument's timelines)
+            self.collect(keep=0)
         for bucket in self.buckets:
             bucket.arrived.clear()
 
@@ -200,7 +199,7 @@ class BucketedShardedOptimizer(ShardedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.finish_gradient_synchronization()  # 1. gradients, reduce-scattered in backward
+        # 1. gradients: reduce-scattered in backward, received at its end
         self.update_pieces()  # 2. update this rank's piece of every bucket
         works = [dist.all_gather_single(bucket.weights, bucket.piece.detach(), group=self.group,
                                         async_op=True) for bucket in self.buckets]

@@ -18,7 +18,8 @@ parallelism's 2(n-1)/n (the ZeRO paper, section 7.2.2). An Embedding, gathered o
 a tied weight, reduce-scattered once per use, costs more.
 
 Other parameters (LayerNorm's) stay whole on every rank, and finish_gradient_synchronization()
-averages their gradients with all_reduce: call it before optimizer.step(). The optimizer steps
+averages their gradients with all_reduce, queued at the end of backward by the first of them to
+arrive (lesson 06's DDP does the same), so training is forward, backward, step. The optimizer steps
 the pieces in the module's own dtype (float32), so the master weights and the update keep it
 whatever compute_dtype is.
 The autograd Functions below hold the communication; ShardedLinear and ShardedEmbedding are the
@@ -46,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.data_parallelism.ddp import at_end_of_backward, broadcast_from_first
 from helpers.zero_and_fsdp.sharding import gather, scatter_mean, shard_of
 
 
@@ -255,9 +257,7 @@ class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, group=None,
                  units=None):
         super().__init__()
-        source = dist.get_global_rank(group, 0) if group is not None else 0
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=source, group=group)
+        broadcast_from_first([*module.parameters(), *module.buffers()], group)
         self.sharding, self.gathered = Sharding(group, compute_dtype), GatheredBytes()
         units = list(units or [])
         for parent in list(module.modules()):
@@ -276,6 +276,9 @@ class FSDP(nn.Module):
         self.module = module
         self.replicated = [param for param in module.parameters()
                            if param.requires_grad and param not in self.sharding.shapes]
+        self._finish_queued = False
+        for param in self.replicated:
+            param.register_post_accumulate_grad_hook(self.replicated_gradient_ready)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -284,9 +287,15 @@ class FSDP(nn.Module):
     def group(self):
         return self.sharding.group
 
+    def replicated_gradient_ready(self, param):
+        if not self._finish_queued:  # the first replicated gradient of this backward
+            self._finish_queued = True
+            at_end_of_backward(self.finish_gradient_synchronization)
+
     def finish_gradient_synchronization(self) -> None:
         """Average the gradients of the parameters that are not sharded (the pieces' gradients
-        were reduce-scattered during backward)."""
+        were reduce-scattered during backward). Runs at the end of backward."""
+        self._finish_queued = False
         for param in self.replicated:
             if param.grad is not None:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=self.group)
@@ -296,7 +305,7 @@ class FSDP(nn.Module):
         `max_norm`, as torch.nn.utils.clip_grad_norm_ does on one process; returns the norm
         before clipping. Each rank holds only pieces, so the squared norms of the pieces are
         summed over the ranks (all_reduce); the replicated gradients, equal on every rank, count
-        once. Call it after finish_gradient_synchronization()."""
+        once. Call it after backward."""
         pieces = [p.grad for p in self.sharding.shapes if p.grad is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
         squares = sum((grad ** 2).sum() for grad in pieces) + torch.zeros(())

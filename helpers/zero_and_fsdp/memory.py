@@ -16,9 +16,6 @@ These count model states only: activations, temporary buffers and fragmentation 
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.tensor import DTensor
-
 BYTES_PER_PARAMETER = {
     "float32": {"weights": 4, "gradients": 4, "optimizer": 8},
     "mixed": {"weights": 2, "gradients": 2, "optimizer": 12},
@@ -46,34 +43,3 @@ def largest_model(memory_bytes: float, world_size: int, stage: int,
                   precision: str = "float32") -> float:
     """The most parameters whose model states fit in `memory_bytes` per rank."""
     return memory_bytes / bytes_per_rank(1, world_size, stage, precision)["total"]
-
-
-def held_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The bytes this rank actually holds, counted from the tensors' storages (each storage
-    once; of a DTensor, its local piece): the module's parameters, their gradients (and a
-    ShardedOptimizer's gradient pieces), and every tensor in the optimizer's state (that of a
-    ShardedOptimizer's inner optimizer, or of ZeroRedundancyOptimizer's local one)."""
-    seen = set()
-
-    def size(tensors) -> int:
-        total = 0
-        for tensor in tensors:
-            if tensor is None or not isinstance(tensor, torch.Tensor):
-                continue
-            if isinstance(tensor, DTensor):  # fully_shard's: count this rank's local piece
-                tensor = tensor.to_local()
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
-
-    params = list(module.parameters())
-    # ShardedOptimizer keeps its state in .inner, ZeroRedundancyOptimizer in .optim
-    inner = getattr(optimizer, "inner", getattr(optimizer, "optim", optimizer))
-    pieces = list(getattr(optimizer, "pieces", {}).values())
-    return {
-        "weights": size(params),
-        "gradients": size([p.grad for p in params] + [p.grad for p in pieces]),
-        "optimizer": size(value for state in inner.state.values() for value in state.values()),
-    }

@@ -9,6 +9,7 @@ import numpy as np
 
 from helpers.drawing import COLORS, plot_step_timelines
 from helpers.zero_and_fsdp.memory import BYTES_PER_PARAMETER, PARTS, bytes_per_rank
+from helpers.zero_and_fsdp.workers import STAGE_1_2_LABELS
 
 PART_COLORS = {"weights": COLORS[0], "gradients": COLORS[1], "optimizer": COLORS[2]}
 STAGE_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -26,8 +27,9 @@ def _stacked(ax, x, parts: dict, width, scale, label_parts=False):
 def plot_zero_1_steps(timelines: list):
     """One measured step of each ZeRO-1 (workers.zero_1_timeline_worker's result, one per
     rank): compute against reduce-scatters and all-gathers."""
-    runs = {name: {"events": [rank[name]["events"] for rank in timelines],
-                   "step_seconds": timelines[0][name]["step_seconds"]} for name in timelines[0]}
+    runs = {STAGE_1_2_LABELS[key]: {"events": [rank[key]["events"] for rank in timelines],
+                                    "step_seconds": timelines[0][key]["step_seconds"]}
+            for key in timelines[0]}
     return plot_step_timelines(runs, collectives=("reduce_scatter", "all_gather"),
                                waiting_for="reduce_scatter")
 

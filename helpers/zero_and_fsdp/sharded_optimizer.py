@@ -29,7 +29,9 @@ parameter; param groups keep their own hyperparameters (copied to the inner opti
 step, so learning-rate schedules work). At construction rank 0's parameters are broadcast.
 `max_grad_norm` clips the gradient by its global norm, computed from the pieces (an all-reduce
 of their squared norms): after stage 2's backward no rank holds a full gradient to clip.
-`state_dict()` is this rank's: its pieces' optimizer state; save one file per rank.
+`state_dict()` is this rank's: its pieces' optimizer state; save one file per rank
+(helpers.strategies.state_dict gives torch.distributed.checkpoint a form that loads on any number
+of ranks).
 """
 
 from __future__ import annotations

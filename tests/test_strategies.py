@@ -1,0 +1,79 @@
+"""helpers.strategies: every strategy built by name and trained the same way, and the
+hand-built ones' state saved with torch.distributed.checkpoint on 4 ranks, loaded on 2, equal to
+one process."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from compare import labelled
+
+from helpers import reference, run, strategies
+
+# The hand-built strategies, with the options that change their layout
+HAND_BUILT = {
+    "naive": ("naive", {}),
+    "ddp": ("ddp", {"bucket_mb": 0.01}),
+    "readable_zero_1": ("zero_1", {}),
+    "bucketed_zero_1": ("zero_1", {"bucket_mb": 0.01}),
+    "readable_zero_2": ("zero_2", {}),
+    "bucketed_zero_2": ("zero_2", {"bucket_mb": 0.01}),
+    "zero_3_per_layer": ("zero_3", {"unit": "layer"}),
+    "zero_3_per_block": ("zero_3", {"unit": "block"}),
+}
+
+
+def lm_and_batches():
+    """float64, where AdamW cannot amplify rounding into a visible difference
+    (helpers.tolerance): assert_close's float64 default holds."""
+    return reference.in_float64(reference.make_lm(tie_weights=True, seed=0),
+                                reference.lm_data(seed=1, batch_size=8, steps=4))
+
+
+def train(module, optimizer, batches, rank, world_size):
+    for batch in batches:
+        local = batch.shard(rank, world_size)
+        optimizer.zero_grad()
+        reference.lm_loss(module(local.inputs), local.targets).backward()
+        optimizer.step()
+
+
+def save_worker(rank, world_size, name, options, model, batches, directory):
+    module, optimizer = strategies.build(name, copy.deepcopy(model), **options)
+    train(module, optimizer, batches, rank, world_size)
+    dcp.save(strategies.state_dict(module, optimizer), checkpoint_id=directory)
+
+
+def resume_worker(rank, world_size, name, options, model, batches, directory):
+    module, optimizer = strategies.build(name, copy.deepcopy(model), **options)
+    strategies.load(module, optimizer, directory)
+    loaded = strategies.full_parameters(module)
+    train(module, optimizer, batches, rank, world_size)
+    return {"loaded": loaded, "trained": strategies.full_parameters(module)}
+
+
+@pytest.mark.parametrize("key", HAND_BUILT)
+def test_a_checkpoint_saved_on_4_ranks_loads_on_2_and_trains_like_one_process(key, tmp_path):
+    """Two steps on 4 ranks, saved; loaded on 2 ranks into a model of other weights, two more
+    steps: the loaded weights equal one process's after two steps, and the trained ones after
+    four (so the optimizer's state was loaded too: AdamW's moments and step count)."""
+    name, options = HAND_BUILT[key]
+    model, batches = lm_and_batches()
+    run(save_worker, 4, show_output=False, kwargs=dict(
+        name=name, options=options, model=model, batches=batches[:2], directory=tmp_path))
+    other, _ = reference.in_float64(reference.make_lm(tie_weights=True, seed=7), [])
+    out = run(resume_worker, 2, show_output=False, kwargs=dict(
+        name=name, options=options, model=other, batches=batches[2:], directory=tmp_path))
+    two = reference.train(model, batches[:2], reference.lm_loss, optimizer="adamw").parameters
+    four = reference.train(model, batches, reference.lm_loss, optimizer="adamw").parameters
+    for result in out:
+        for name_, param in two.items():
+            torch.testing.assert_close(result["loaded"][name_], param, msg=labelled(name_))
+        for name_, param in four.items():
+            torch.testing.assert_close(result["trained"][name_], param, msg=labelled(name_))
+
+
+def test_an_unknown_strategy_names_the_choices():
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero_4'; choose one of \['one_"):
+        strategies.build("zero_4", torch.nn.Linear(2, 2))
