@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab test soak other-cpu ci test-python lint notebooks figures benchmark clean
+.PHONY: setup lab test soak other-cpu ci test-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -37,7 +37,7 @@ ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_p
 # Does the course work? The linter, every test but the soaks, every notebook against its
 # committed outputs (nbval), the slides in a real browser.
 test: setup lint
-	$(PYTEST) -m "not soak" $(NBVAL) $(ALL)
+	$(PYTEST) -m "not soak and not gpu" $(NBVAL) $(ALL)
 
 # Rare faults, slow by design: repetition, races between processes, real torchrun jobs.
 soak: setup
@@ -50,6 +50,12 @@ other-cpu: setup
 	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "notebook or (numerical and not once)" \
 		-k "not checker" $(NBVAL) --nbval-skip-timings \
 		$(filter-out $(ROUNDING_FREE),$(ALL))
+
+# On a machine with CUDA (skipped elsewhere): every strategy on the GPU with NCCL, autocast and
+# GradScaler on CUDA, the bytes held read from CUDA's allocator, gloo on CUDA tensors
+# (tests/test_gpu.py). README says what of it has run on a GPU.
+test-gpu: setup
+	$(PY) -m pytest -m gpu -v tests/test_gpu.py
 
 # Every tier on this Python (.ci/run adds another Python's).
 ci: test soak other-cpu

@@ -167,6 +167,10 @@ class Batch:
         rows = slice(rank * local, (rank + 1) * local)
         return Batch(self.inputs[rows], self.targets[rows])
 
+    def to(self, device) -> Batch:
+        """The batch on `device` (the launcher's get_device(): a rank's GPU under NCCL)."""
+        return Batch(self.inputs.to(device), self.targets.to(device))
+
 
 def mlp_data(seed: int = 0, batch_size: int = 8, dim: int = 16, steps: int = 1) -> list:
     """`steps` batches of regression data: inputs x ~ N(0, 1), targets sin(x)."""

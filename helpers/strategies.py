@@ -71,6 +71,7 @@ def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = N
     """`model` (changed in place: pass a copy to keep it) laid out as strategy `name`, and its
     optimizer: (the module to call, the optimizer to step). See the module docstring."""
     check(name)
+    model = model.to(get_device())  # in place: a Module's to() moves its own tensors
     optimizer_cls, settings = reference.OPTIMIZERS[optimizer]
     settings = {**settings, "lr": lr}
     group = None if mesh is None or name in ("fully_shard", "dp_tp") else mesh.get_group()
@@ -117,7 +118,7 @@ def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype):
         device = get_device()
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(
-            model.to(device), device_ids=ids, process_group=group,
+            model, device_ids=ids, process_group=group,
             **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb})), clip_whole
     if name == "zero_3":
         from helpers.zero_and_fsdp.fsdp import FSDP
@@ -128,10 +129,9 @@ def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype):
     from helpers import layouts
 
     if name == "fully_shard":
-        layouts.apply_fsdp(model.to(get_device()), mesh or default_mesh(name),
-                           unit=unit or "block")
+        layouts.apply_fsdp(model, mesh or default_mesh(name), unit=unit or "block")
     else:  # dp_tp
-        layouts.apply_dp_tp(model.to(get_device()), mesh or default_mesh(name))
+        layouts.apply_dp_tp(model, mesh or default_mesh(name))
     return model, clip_whole
 
 
@@ -181,12 +181,12 @@ def unwrapped(module: nn.Module) -> nn.Module:
 @torch.no_grad()
 def full_parameters(module: nn.Module) -> dict:
     """name -> every whole parameter, named as in the model before it was laid out (a tied one
-    once). The hand-built FSDP's buffers too (gather_full_params). Every rank must call it: the
-    sharded strategies gather."""
+    once), on the CPU. The hand-built FSDP's buffers too (gather_full_params). Every rank must
+    call it: the sharded strategies gather."""
     if hasattr(module, "gather_full_params"):
-        return module.gather_full_params()
-    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
-            for name, param in unwrapped(module).named_parameters()}
+        return {name: value.cpu() for name, value in module.gather_full_params().items()}
+    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+            .clone().cpu() for name, param in unwrapped(module).named_parameters()}
 
 
 def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -250,7 +250,7 @@ def step_times_worker(rank, world_size, contenders, model, batch, iterations, lo
     a warm-up, in which torch's DDP also rebuilds its buckets). Returns {"seconds": each one's
     median step time, "held": the bytes of model state each holds between one more backward
     and its optimizer's step (held_bytes)}."""
-    local = batch.shard(rank, world_size)
+    local = batch.shard(rank, world_size).to(get_device())
     built = {label: build(name, copy.deepcopy(model), **options)
              for label, (name, options) in contenders.items()}
     steps = {label: functools.partial(training_step, module, optimizer, LOSSES[loss],
@@ -284,7 +284,7 @@ def accumulation_worker(rank, world_size, strategy, model, batches, micro_batche
         raise ValueError(f"unknown sync {sync!r}; choose one of {list(SYNC)}")
     module, optimizer = build(strategy, copy.deepcopy(model), **options)
     for batch in batches:
-        local = batch.shard(rank, world_size)
+        local = batch.shard(rank, world_size).to(get_device())
         optimizer.zero_grad()
         most = 0
         with Observer() as observed:

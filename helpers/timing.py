@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.instrument import TABLE_NAME, Observer
+from helpers.launcher.result import get_device
 
 
 def slowest_rank_seconds(step: Callable[[], object], group=None) -> float:
@@ -61,7 +62,7 @@ def observed_training(module, optimizer, loss_fn, batches, rank, world_size) -> 
     """One training step per batch on this rank's slice of it (training_step), the last one
     observed: returns its Observer, whose calls and bytes are one step's."""
     for batch in batches:
-        local = batch.shard(rank, world_size)
+        local = batch.shard(rank, world_size).to(get_device())
         with Observer() as observed:
             training_step(module, optimizer, loss_fn, local.inputs, local.targets)
     return observed

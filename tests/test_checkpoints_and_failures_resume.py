@@ -102,6 +102,7 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}", checkpoints=True):
         from helpers import strategies
         from helpers.checkpoints_and_failures.resume import checkpoint_path, latest_checkpoint
         from helpers.checkpoints_and_failures.sharded import full_state
+        from helpers.launcher.result import get_device
 
         model, optimizer = strategies.build("fully_shard", job.model())
         lr_scheduler = job.scheduler(optimizer)
@@ -129,7 +130,7 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}", checkpoints=True):
                 lr_scheduler.load_state_dict(held["scheduler"])
         losses = {}
         while step < job.steps:
-            batch = job.batch(sampler, epoch, offset)
+            batch = job.batch(sampler, epoch, offset).to(get_device())
             optimizer.zero_grad()
             loss = reference.lm_loss(model(batch.inputs), batch.targets)
             loss.backward()

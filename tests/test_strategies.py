@@ -11,6 +11,8 @@ from compare import labelled
 
 from helpers import reference, run, strategies
 
+pytestmark = pytest.mark.numerical  # trained parameters: run again on other CPU kernels
+
 # The hand-built strategies, with the options that change their layout
 HAND_BUILT = {
     "naive": ("naive", {}),

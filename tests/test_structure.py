@@ -226,6 +226,11 @@ def offered_choices(path: pathlib.Path) -> set:
             if isinstance(name, ast.Name) and name.id in constants}
 
 
+# Choices whose spelling is PyTorch's, not the course's: a backend for each device type
+# (init_process_group's "cpu:gloo,cuda:nccl")
+PYTORCH_SPELLINGS = {"cpu:gloo,cuda:nccl"}
+
+
 def test_the_keys_of_a_choice_are_names():
     """A caller picks a strategy, a layout or a mode by a key made of letters, digits and
     underscores ("torch_ddp", "1f1b"), never by a display string ("torch DDP", "dp×tp"); labels
@@ -237,5 +242,33 @@ def test_the_keys_of_a_choice_are_names():
             keys = getattr(module, name)
             if isinstance(keys, dict | list | tuple | set | frozenset):
                 found += [f"{module_name(path)}.{name}: {key!r}" for key in keys
-                          if not (isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_]+", key))]
+                          if not (isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_]+", key))
+                          and key not in PYTORCH_SPELLINGS]
+    assert found == []
+
+
+DEVICE_TYPES = re.compile(r"(cpu|cuda)(:\d+)?$")
+
+
+def test_rank_code_takes_its_device_from_the_launcher():
+    """No module names a device type ("cpu", "cuda", "cuda:0") in a call: meshes, autocast,
+    GradScaler, models and batches follow the launcher's get_device() (a rank's GPU under NCCL,
+    else the CPU). A line that must stay on one device says why, in a comment, and ends with
+    "# CPU on purpose". The launcher, which decides, and CS336's stand-ins (the lecture's own
+    get_device) are exempt."""
+    found = []
+    for path in sorted(HELPERS.rglob("*.py")):
+        module = module_name(path)
+        if module.startswith("helpers.launcher") or module == "helpers.cs336":
+            continue
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            for value in [*node.args, *(keyword.value for keyword in node.keywords)]:
+                if (isinstance(value, ast.Constant) and isinstance(value.value, str)
+                        and DEVICE_TYPES.match(value.value)
+                        and not lines[node.lineno - 1].rstrip().endswith("# CPU on purpose")):
+                    found.append(f"{path.relative_to(HELPERS.parent)}:{node.lineno}: "
+                                 f"{value.value!r}")
     assert found == []

@@ -36,6 +36,7 @@ from torch.utils.data import DistributedSampler
 
 from helpers import reference, strategies
 from helpers.checkpoints_and_failures.sharded import full_state
+from helpers.launcher.result import get_device
 from helpers.training import mean_over
 
 PIECES = ("model", "optimizer", "sampler", "rng")  # what a checkpoint here holds
@@ -146,7 +147,7 @@ def resumable_worker(rank, world_size, experiment, directory, stop_after=None, o
     on_event("started", step)
     losses = {}
     while step < min(experiment.steps, stop_after or experiment.steps):
-        batch = experiment.batch(sampler, position["epoch"], position["offset"])
+        batch = experiment.batch(sampler, position["epoch"], position["offset"]).to(get_device())
         optimizer.zero_grad()
         loss = reference.lm_loss(model(batch.inputs), batch.targets)
         loss.backward()
@@ -233,7 +234,7 @@ def async_save_worker(rank, world_size, experiment, directory, asynchronous=True
 
     for step in range(1, experiment.steps + 1):
         started = now()
-        batch = experiment.batch(sampler, position["epoch"], position["offset"])
+        batch = experiment.batch(sampler, position["epoch"], position["offset"]).to(get_device())
         optimizer.zero_grad()
         reference.lm_loss(model(batch.inputs), batch.targets).backward()
         optimizer.step()

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from helpers import reference, strategies
+from helpers.launcher.result import get_device
 from helpers.timing import slowest_rank_seconds
 
 LAYOUTS = ("fully_shard", "dp_tp", "one_process")  # strategies the lesson loads into
@@ -63,7 +64,7 @@ def train(model, optimizer, batches, mesh=None) -> list:
     dp_rank, dp_size = strategies.batch_shard(mesh)
     losses = []
     for batch in batches:
-        local = batch.shard(dp_rank, dp_size)
+        local = batch.shard(dp_rank, dp_size).to(get_device())
         optimizer.zero_grad()
         loss = reference.lm_loss(model(local.inputs), local.targets)
         loss.backward()
@@ -74,12 +75,12 @@ def train(model, optimizer, batches, mesh=None) -> list:
 
 def full_state(model, optimizer) -> dict:
     """{"model": {name: tensor}, "optimizer": {name: {"step", "exp_avg", "exp_avg_sq"}}}: the
-    whole state on every rank, every tensor whole (gathered), keyed by parameter name in any
-    layout. Every rank must call it."""
+    whole state on every rank, every tensor whole (gathered) and on the CPU, keyed by parameter
+    name in any layout. Every rank must call it."""
     options = StateDictOptions(full_state_dict=True)
-    return {"model": {name: value.clone() for name, value in
+    return {"model": {name: value.clone().cpu() for name, value in
                       get_model_state_dict(model, options=options).items()},
-            "optimizer": {name: {key: value.clone() for key, value in state.items()} for
+            "optimizer": {name: {key: value.clone().cpu() for key, value in state.items()} for
                           name, state in get_optimizer_state_dict(
                               model, optimizer, options=options)["state"].items()}}
 

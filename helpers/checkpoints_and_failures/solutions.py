@@ -13,6 +13,7 @@ from helpers.checkpoints_and_failures.resume import (
     training_state,
 )
 from helpers.checkpoints_and_failures.sharded import full_state
+from helpers.launcher.result import get_device
 from helpers.reference import lm_loss
 from helpers.training import mean_over
 
@@ -32,7 +33,7 @@ def resumable(rank, world_size, job, directory):
         load_training(path, model, optimizer, position)
     losses = {}
     while step < job.steps:
-        batch = job.batch(sampler, position["epoch"], position["offset"])
+        batch = job.batch(sampler, position["epoch"], position["offset"]).to(get_device())
         optimizer.zero_grad()
         loss = lm_loss(model(batch.inputs), batch.targets)
         loss.backward()

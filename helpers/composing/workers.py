@@ -13,6 +13,7 @@ from helpers import reference
 from helpers.composing.hybrid import LMStage
 from helpers.composing.mesh import Grid, new_groups
 from helpers.data_parallelism.ddp import DDP, average_gradients
+from helpers.launcher.result import get_device
 from helpers.layouts import apply_dp_tp
 from helpers.pipeline_parallelism.schedule import pipeline_step
 from helpers.training import mean_over
@@ -26,7 +27,7 @@ def grid_worker(rank, world_size, dims, sizes):
 
     grid = Grid(tuple(dims), tuple(sizes))
     groups = new_groups(grid, rank)
-    mesh = init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(dims))
+    mesh = init_device_mesh(get_device().type, tuple(sizes), mesh_dim_names=tuple(dims))
     return {dim: (dist.get_process_group_ranks(groups[dim]),
                   dist.get_process_group_ranks(mesh.get_group(dim))) for dim in dims}
 
@@ -88,12 +89,13 @@ def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
     shape of this rank's piece."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-    model = apply_dp_tp(copy.deepcopy(model), mesh)
+    mesh = init_device_mesh(get_device().type, (world_size // tp_size, tp_size),
+                            mesh_dim_names=("dp", "tp"))
+    model = apply_dp_tp(copy.deepcopy(model).to(get_device()), mesh)
     optimizer = reference.make_optimizer("adamw", model.parameters(), lr)
     dp_rank, losses = mesh.get_local_rank("dp"), []
     for batch in batches:
-        local = batch.shard(dp_rank, mesh.size(0))
+        local = batch.shard(dp_rank, mesh.size(0)).to(get_device())
         optimizer.zero_grad()
         loss = reference.lm_loss(model(local.inputs), local.targets)
         loss.backward()
@@ -105,7 +107,7 @@ def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
     # Gathering fully_shard's strided pieces takes two all-gathers, which DTensor warns about on
     # every rank: true, and of no interest here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    full = {name: param.full_tensor().detach().clone() for name, param in model.named_parameters()}
+    full = {name: param.full_tensor().detach().cpu() for name, param in model.named_parameters()}
     return {"losses": losses, "parameters": full, "layouts": layouts}
 
 

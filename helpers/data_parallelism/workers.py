@@ -22,6 +22,7 @@ from helpers.cost_model import bandwidths
 from helpers.data_parallelism.ddp import average_gradients, bucket_indices
 from helpers.how_all_reduce_works.algorithms import ring_all_reduce
 from helpers.instrument import Observer
+from helpers.launcher.result import get_device
 from helpers.timing import slowest_rank_seconds, step_timeline, take_turns
 
 LOSSES = {"mean": reference.mse_loss,
@@ -77,7 +78,7 @@ def data_parallel_worker(rank, world_size, model, batches, strategy="naive", buc
     module, opt = strategies.build(name, copy.deepcopy(model), **options)
     losses = []
     for batch in batches:
-        local = my_slice(batch, rank, world_size)
+        local = my_slice(batch, rank, world_size).to(get_device())
         opt.zero_grad()
         value = LOSSES[loss](module(local.inputs), local.targets)
         value.backward()
@@ -144,6 +145,7 @@ def timeline_worker(rank, world_size, strategy, bucket_mb, dim, num_layers, batc
     from the step's common start, and its time (the slowest rank's)."""
     model = reference.make_mlp(dim, num_layers, seed=0)
     batch = reference.mlp_data(seed=1, batch_size=batch_size, dim=dim)[0].shard(rank, world_size)
+    batch = batch.to(get_device())
     name, options = contenders(bucket_mb, "sgd", 1e-3)[strategy]
     module, opt = strategies.build(name, model, **options)
     return step_timeline(module, opt, reference.mse_loss, batch.inputs, batch.targets,

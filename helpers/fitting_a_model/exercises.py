@@ -10,6 +10,7 @@ from torch import nn
 from helpers import reference
 from helpers.exercises import Exercise
 from helpers.fitting_a_model.precision import moved
+from helpers.launcher.result import get_device
 
 EXERCISES = {}
 
@@ -145,7 +146,7 @@ def _train_scaled(step, seed, steps, init_scale_power):
     scale, good_steps, scales, stepped = 2.0 ** init_scale_power, 0, [], []
     for batch in reference.lm_data(seed=seed + 1, batch_size=8, steps=steps):
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(get_device().type, dtype=torch.float16):
             loss = reference.lm_loss(model(batch.inputs), batch.targets)
         scales.append(scale)
         before = [param.detach().clone() for param in model.parameters()]
@@ -161,7 +162,7 @@ def _scaled_by_hand(function, seed, steps, init_scale_power):
 
 def _with_grad_scaler(seed, steps, init_scale_power):
     """The same training with torch.amp.GradScaler doing the scaling."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** init_scale_power,
+    scaler = torch.amp.GradScaler(get_device().type, init_scale=2.0 ** init_scale_power,
                                   growth_interval=GROWTH_INTERVAL)
 
     def step(model, optimizer, loss, scale, good_steps):

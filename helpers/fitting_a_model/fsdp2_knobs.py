@@ -46,7 +46,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from helpers import reference
 from helpers.instrument import Observer
+from helpers.launcher.result import get_device
 from helpers.layouts import apply_fsdp
+from helpers.strategies import default_mesh, full_parameters
 from helpers.timing import observed_training
 
 
@@ -76,7 +78,7 @@ def reshard_worker(rank, world_size, model, batch, reshard_after_forward):
     """A forward and backward of fully_shard'ed `model` (2 steps; the second observed) with
     `reshard_after_forward`. Returns {"peak": the most gathered bytes held at any block's hooks,
     "all-gathers": {group size: count}, "sent": {group size: bytes of all-gathers}}."""
-    model = apply_fsdp(copy.deepcopy(model), init_device_mesh("cpu", (world_size,)),
+    model = apply_fsdp(copy.deepcopy(model).to(get_device()), default_mesh("fully_shard"),
                        reshard_after_forward=reshard_after_forward)
     peak = 0
 
@@ -87,7 +89,7 @@ def reshard_worker(rank, world_size, model, batch, reshard_after_forward):
     for block in model.blocks:
         block.register_forward_hook(sample)
         block.register_full_backward_hook(sample)
-    local = batch.shard(rank, world_size)
+    local = batch.shard(rank, world_size).to(get_device())
     for _ in range(2):
         peak = 0
         with Observer() as observed:
@@ -120,7 +122,7 @@ def prefetch_worker(rank, world_size, model, batch, prefetch: int):
     defaults. Returns {"events": [(label, start_s, end_s)]: each block's "forward" and "backward"
     and each "all_gather" from launch to completion, from the step's start; "ahead": for each
     block, the all-gathers issued before its forward began}."""
-    model = apply_fsdp(copy.deepcopy(model), init_device_mesh("cpu", (world_size,)))
+    model = apply_fsdp(copy.deepcopy(model).to(get_device()), default_mesh("fully_shard"))
     blocks = list(model.blocks)
     if prefetch:
         for index, block in enumerate(blocks):
@@ -136,7 +138,7 @@ def prefetch_worker(rank, world_size, model, batch, prefetch: int):
         block.register_forward_hook(mark("forward end", index))
         block.register_full_backward_pre_hook(mark("backward", index))
         block.register_full_backward_hook(mark("backward end", index))
-    local = batch.shard(rank, world_size)
+    local = batch.shard(rank, world_size).to(get_device())
     for _ in range(2):
         marks.clear()
         with Observer() as observed:
@@ -158,8 +160,8 @@ def hsdp_worker(rank, world_size, model, batches, shape=(2, 2)):
     over the 2-D mesh, each rank on its slice of every batch. Returns the full parameters after
     the last step, and the bytes and calls of the last step by (collective, "shard" or
     "replicate": the mesh dimension of its group)."""
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-    model = apply_fsdp(copy.deepcopy(model), mesh)
+    mesh = init_device_mesh(get_device().type, shape, mesh_dim_names=("replicate", "shard"))
+    model = apply_fsdp(copy.deepcopy(model).to(get_device()), mesh)
     optimizer = reference.make_optimizer("adamw", model.parameters())
     observed = observed_training(model, optimizer, reference.lm_loss, batches, rank, world_size)
     dimension = {tuple(dist.get_process_group_ranks(mesh.get_group(name))): name
@@ -169,8 +171,7 @@ def hsdp_worker(rank, world_size, model, batches, shape=(2, 2)):
         key = (record.name, dimension[tuple(record.detail)])
         sent[key] += record.sent
         calls[key] += 1
-    return {"parameters": {name: param.full_tensor() for name, param in model.named_parameters()},
-            "sent": dict(sent), "calls": dict(calls)}
+    return {"parameters": full_parameters(model), "sent": dict(sent), "calls": dict(calls)}
 
 
 def hsdp_formula(model_bytes: int, block_bytes: int, blocks: int, shape=(2, 2)) -> dict:

@@ -45,20 +45,25 @@ import torch.distributed as dist
 
 from helpers import reference
 from helpers.instrument import Observer
+from helpers.launcher.result import get_device
 from helpers.layouts import apply_fsdp
+from helpers.strategies import default_mesh, full_parameters
 from helpers.timing import observed_training
 from helpers.zero_and_fsdp.fsdp import FSDP
 
 
-def losses(model, batches, dtype=None) -> list:
+def losses(model, batches, dtype=None, device=None) -> list:
     """Train a copy of `model` with the course's AdamW, one step per batch, forward and loss
-    under torch.autocast("cpu", dtype) (dtype None: plain float32). The loss of each step."""
-    model = copy.deepcopy(model)
+    under torch.autocast(device, dtype) (dtype None: plain float32; device None: get_device(),
+    the CPU outside a rank). The loss of each step."""
+    device = device or get_device()
+    model = copy.deepcopy(model).to(device)
     optimizer = reference.make_optimizer("adamw", model.parameters())
     found = []
     for batch in batches:
+        batch = batch.to(device)
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = reference.lm_loss(model(batch.inputs), batch.targets)
         loss.backward()  # outside autocast, as PyTorch's AMP examples do
         optimizer.step()
@@ -77,13 +82,14 @@ def is_weight_copy(tensor: torch.Tensor, parameters: set) -> bool:
     return getattr(source, "variable", None) is not None and id(source.variable) in parameters
 
 
-def bytes_by_kind(model, batch, dtype=None) -> dict:
+def bytes_by_kind(model, batch, dtype=None, device=None) -> dict:
     """One forward, loss and backward of a copy of `model` on `batch` under autocast to `dtype`
     (None: float32). The bytes of the parameters ("weights") and of their gradients
     ("gradients"), and of the distinct storages autograd kept for backward, split into autocast's
     copies of the weights ("weight copies") and the rest by dtype ("activations, bfloat16",
-    "activations, float32", and the token ids, "activations, int64")."""
-    model = copy.deepcopy(model)
+    "activations, float32", and the token ids, "activations, int64"). `device`: as in losses."""
+    device = device or get_device()
+    model, batch = copy.deepcopy(model).to(device), batch.to(device)
     parameters = {id(param) for param in model.parameters()}
     own = {param.untyped_storage().data_ptr() for param in model.parameters()}
     kept = {}
@@ -97,7 +103,7 @@ def bytes_by_kind(model, batch, dtype=None) -> dict:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-            torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = reference.lm_loss(model(batch.inputs), batch.targets)
     loss.backward()
     totals = collections.Counter()
@@ -107,17 +113,20 @@ def bytes_by_kind(model, batch, dtype=None) -> dict:
             "gradients": sum(param.grad.nbytes for param in model.parameters()), **totals}
 
 
-def scaler_steps(model, batches, init_scale: float) -> list:
+def scaler_steps(model, batches, init_scale: float, device=None) -> list:
     """float16 autocast training with torch.amp.GradScaler starting at `init_scale`: per step
     {"scale": the scale the loss was multiplied by, "finite": every unscaled gradient finite,
-    "stepped": the optimizer's step count moved, "weights changed": any parameter moved}."""
-    model = copy.deepcopy(model)
+    "stepped": the optimizer's step count moved, "weights changed": any parameter moved}.
+    `device`: as in losses."""
+    device = device or get_device()
+    model = copy.deepcopy(model).to(device)
     optimizer = reference.make_optimizer("adamw", model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
     found = []
     for batch in batches:
+        batch = batch.to(device)
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device.type, dtype=torch.float16):
             loss = reference.lm_loss(model(batch.inputs), batch.targets)
         scale = scaler.get_scale()
         scaler.scale(loss).backward()  # the loss times the scale: every gradient times it too
@@ -148,48 +157,48 @@ def reduction_worker(rank, world_size, model, batch):
     gradients summed over the ranks twice, in float32 and cast to bfloat16 (all_reduce, SUM),
     each divided by the ranks after. Returns {"local": this rank's gradients, "float32",
     "bfloat16": the averages (as float32), "sent": {dtype: bytes this rank sent}}."""
-    local = batch.shard(rank, world_size)
+    local = batch.shard(rank, world_size).to(get_device())
+    model = model.to(get_device())
     reference.lm_loss(model(local.inputs), local.targets).backward()
     grads = {name: param.grad for name, param in model.named_parameters()}
-    result = {"local": grads, "sent": {}}
+    result = {"local": {name: grad.cpu() for name, grad in grads.items()}, "sent": {}}
     for dtype in (torch.float32, torch.bfloat16):
         with Observer() as observed:
             summed = {name: grad.to(dtype, copy=True) for name, grad in grads.items()}
             for grad in summed.values():
                 dist.all_reduce(grad)  # the one line that differs: the dtype of what is sent
         result[str(dtype).removeprefix("torch.")] = {
-            name: grad.float() / world_size for name, grad in summed.items()}
+            name: grad.float().cpu() / world_size for name, grad in summed.items()}
         result["sent"][str(dtype).removeprefix("torch.")] = observed.sent()["all_reduce"]
     return result
 
 
-POLICIES = {"FSDP(compute_dtype=bfloat16)": "lesson 07's hand-built ZeRO-3",
-            "fully_shard(mp_policy=MixedPrecisionPolicy(...))": "PyTorch's FSDP2"}
+# ZeRO-3 computing in bfloat16, reducing in float32: {key: the code that asks for it}, lesson
+# 07's hand-built FSDP and PyTorch's FSDP2
+POLICIES = {"hand_built": "FSDP(compute_dtype=bfloat16)",
+            "fully_shard": "fully_shard(mp_policy=MixedPrecisionPolicy(...))"}
 
 
 def policy_worker(rank, world_size, kind, model, batches):
     """Train a copy of `model` (an MLP of Linear layers) with ZeRO-3 computing in bfloat16 and
     reducing gradients in float32: `kind` is a key of POLICIES. Returns the full parameters after
     the last step, and the bytes and calls of the last step by collective."""
-    model = copy.deepcopy(model)
-    if kind == "FSDP(compute_dtype=bfloat16)":
+    if kind not in POLICIES:
+        raise ValueError(f"unknown kind {kind!r}; choose one of {list(POLICIES)}")
+    model = copy.deepcopy(model).to(get_device())
+    if kind == "hand_built":
         module = FSDP(model, compute_dtype=torch.bfloat16)
     else:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        mesh = init_device_mesh("cpu", (world_size,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                       output_dtype=torch.float32)
         # each Linear its own unit, as the hand-built FSDP's
-        module = apply_fsdp(model, mesh, unit="layer", mp_policy=policy)
+        module = apply_fsdp(model, default_mesh("fully_shard"), unit="layer", mp_policy=policy)
     optimizer = reference.make_optimizer("adamw", module.parameters())
     observed = observed_training(module, optimizer, reference.mse_loss, batches, rank, world_size)
-    if isinstance(module, FSDP):
-        parameters = module.gather_full_params()
-    else:
-        parameters = {name: param.full_tensor() for name, param in model.named_parameters()}
-    return {"parameters": parameters, "sent": observed.sent(), "calls": observed.calls()}
+    return {"parameters": full_parameters(module), "sent": observed.sent(),
+            "calls": observed.calls()}
 
 
 def relative_errors(averaged: dict, local: list) -> torch.Tensor:

@@ -43,11 +43,11 @@ from helpers.launcher import rank as _rank
 from helpers.launcher import report
 from helpers.launcher.pool import main_module_kept_from_ranks, warm_up
 from helpers.launcher.report import WorkerError, WorkerTimeout
-from helpers.launcher.result import RunResult, default_backend
+from helpers.launcher.result import GLOO_AND_NCCL, RunResult, default_backend, uses_nccl
 from helpers.launcher.torchrun import run_in_place
 
 MAX_WORLD_SIZE = 64
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", GLOO_AND_NCCL)
 START_METHODS = ("forkserver", "spawn")
 # After the first failure, how long the other ranks get to report their own errors (they usually
 # fail a moment later with "Connection closed by peer") before they are stopped.
@@ -204,9 +204,9 @@ def _check_arguments(fn, world_size, args, kwargs, timeout, backend, start_metho
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
+    if uses_nccl(backend) and torch.cuda.device_count() < world_size:
         raise ValueError(
-            f"backend='nccl' needs one GPU per rank: {world_size} ranks, "
+            f"backend={backend!r} needs one GPU per rank: {world_size} ranks, "
             f"{torch.cuda.device_count()} GPUs here"
         )
     if start_method not in START_METHODS:

@@ -222,7 +222,7 @@ def _init_process_group(rank: int, job: Job) -> None:
     store = dist.FileStore(store_path(job.out_dir, job.attempt), job.world_size)
     store.set_timeout(timeout)
     device_id = None
-    if job.backend == "nccl":
+    if "nccl" in job.backend:  # "nccl" or "cpu:gloo,cuda:nccl"
         device_id = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device_id)
     dist.init_process_group(

@@ -38,17 +38,28 @@ class RunResult:
         return report.results_html(self.results, self.backend)
 
 
+GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"  # NCCL for CUDA tensors, gloo for CPU ones, in one group
+
+
 def default_backend(world_size: int) -> str:
-    """NCCL when there is one GPU per rank, gloo on the CPU otherwise."""
+    """With one GPU per rank, NCCL for CUDA tensors and gloo for CPU ones (a rank's CPU-side
+    collectives, a checkpoint's planning, all_gather_object, keep working); gloo on the CPU
+    otherwise."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
+        return GLOO_AND_NCCL
     return "gloo"
+
+
+def uses_nccl(backend: str) -> bool:
+    """Whether `backend` ("nccl", or a per-device list such as "cpu:gloo,cuda:nccl") puts CUDA
+    tensors on NCCL, so that each rank needs a GPU of its own."""
+    return "nccl" in str(backend)
 
 
 def get_device(rank: int | None = None) -> torch.device:
     """The device rank `rank` should put its tensors on: `cuda:<local rank>` under NCCL, else
-    the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    the CPU. Rank code builds its models, meshes, autocast and GradScaler on it."""
+    if dist.is_initialized() and uses_nccl(dist.get_backend()):
         local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else dist.get_rank()))
         return torch.device("cuda", local % torch.cuda.device_count())
     return torch.device("cpu")

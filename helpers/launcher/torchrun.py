@@ -27,7 +27,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from helpers.launcher.result import RunResult, default_backend, get_device
+from helpers.launcher.result import (
+    GLOO_AND_NCCL,
+    RunResult,
+    default_backend,
+    get_device,
+    uses_nccl,
+)
 
 
 def run_in_place(fn, args=(), kwargs=None, backend=None, timeout=1800) -> RunResult:
@@ -36,7 +42,7 @@ def run_in_place(fn, args=(), kwargs=None, backend=None, timeout=1800) -> RunRes
     if owns_group:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         backend = backend or default_backend(local_world)
-        if backend == "nccl":
+        if uses_nccl(backend):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -56,7 +62,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "target", help="module:function, e.g. helpers.processes_and_groups.workers:halves_worker")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    parser.add_argument("--backend", choices=("gloo", "nccl", GLOO_AND_NCCL), default=None)
     options = parser.parse_args(argv)
     module_name, _, function_name = options.target.partition(":")
     if not function_name:

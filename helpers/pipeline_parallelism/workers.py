@@ -48,7 +48,9 @@ def torch_schedule(stage, rank, world_size, num_micro_batches, schedule):
     kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if schedule not in kinds:
         raise ValueError(f"torch.distributed.pipelining is compared here on {list(kinds)}")
-    pipe_stage = PipelineStage(stage, rank, world_size, torch.device("cpu"))
+    # on the CPU on purpose, as the hand-built pipeline: the stages exchange CPU tensors, which
+    # the group's gloo carries on any machine
+    pipe_stage = PipelineStage(stage, rank, world_size, torch.device("cpu"))  # CPU on purpose
     # scale_grads (the default) divides the gradients by the number of micro-batches: the
     # gradients of the mean of the micro-batches' mean losses, as pipeline_step's
     return kinds[schedule](pipe_stage, num_micro_batches, loss_fn=reference.mse_loss)

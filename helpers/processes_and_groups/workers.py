@@ -10,6 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from helpers.launcher.result import get_device
+
 
 def busy_loop(iterations: int) -> int:
     """Pure-Python, CPU-bound work: it holds the GIL the whole time."""
@@ -84,7 +86,7 @@ def grid_worker(rank, world_size, rows):
     dist.all_reduce(row_sum, group=row_groups[row])
     dist.all_reduce(col_sum, group=col_groups[col])
     # Mesh dimension "tp" varies the column, so its group is this rank's row; "dp" is the column.
-    mesh = init_device_mesh("cpu", (rows, cols), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(get_device().type, (rows, cols), mesh_dim_names=("dp", "tp"))
     return {
         "rank": rank,
         "row": row,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from helpers import reference
 from helpers.instrument import Observer, saved_activations, saved_bytes
+from helpers.launcher.result import get_device
 from helpers.tensor_parallelism.megatron import (
     parallelize_block,
     parallelize_feed_forward,
@@ -77,11 +78,14 @@ def torch_block_worker(rank, world_size, block, inputs, targets, sequence_parall
     from torch.distributed.tensor import DTensor, Partial, Replicate
     from torch.distributed.tensor.parallel import parallelize_module
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    module = parallelize_module(copy.deepcopy(block), mesh, torch_plan(sequence_parallel))
-    local_inputs = _local(inputs, rank, world_size, sequence_parallel).clone().requires_grad_()
+    device = get_device()  # the launcher's: a GPU of this rank's under NCCL, else the CPU
+    mesh = init_device_mesh(device.type, (world_size,))
+    module = parallelize_module(copy.deepcopy(block).to(device), mesh,
+                                torch_plan(sequence_parallel))
+    local_inputs = _local(inputs, rank, world_size, sequence_parallel).to(device).clone()
+    local_inputs.requires_grad_()
     outputs = module(local_inputs)
-    _squared_error(outputs, _local(targets, rank, world_size, sequence_parallel),
+    _squared_error(outputs, _local(targets, rank, world_size, sequence_parallel).to(device),
                    targets.numel()).backward()
     grads, placements = {}, {}
     for name, param in module.named_parameters():
@@ -91,9 +95,9 @@ def torch_block_worker(rank, world_size, block, inputs, targets, sequence_parall
             if any(isinstance(place, Partial) for place in grad.placements):
                 grad = grad.redistribute(placements=[Replicate()])
             grad = grad.to_local()
-        grads[name] = grad
-    return {"output": outputs.detach(), "input_grad": local_inputs.grad, "grads": grads,
-            "placements": placements}
+        grads[name] = grad.cpu()
+    return {"output": outputs.detach().cpu(), "input_grad": local_inputs.grad.cpu(),
+            "grads": grads, "placements": placements}
 
 
 def communication_share_worker(rank, world_size, dim, heads, batch, seq_len, iterations):

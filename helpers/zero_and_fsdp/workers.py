@@ -14,6 +14,7 @@ from torch import nn
 
 from helpers import reference, strategies
 from helpers.instrument import Observer
+from helpers.launcher.result import get_device
 from helpers.layouts import apply_fsdp
 from helpers.timing import step_timeline, training_step
 from helpers.zero_and_fsdp.bucketed_optimizer import BucketedShardedOptimizer
@@ -30,7 +31,7 @@ def training_worker(rank, world_size, stage, model, batches, loss="lm", **option
     every batch. Returns the full parameters after the last step."""
     module, optimizer = strategies.build(STAGES[stage], copy.deepcopy(model), **options)
     for batch in batches:
-        local = batch.shard(rank, world_size)
+        local = batch.shard(rank, world_size).to(get_device())
         optimizer.zero_grad()
         strategies.LOSSES[loss](module(local.inputs), local.targets).backward()
         optimizer.step()
@@ -82,7 +83,7 @@ def memory_worker(rank, world_size, stage, model, batches, loss="lm", bucket_mb=
     collective; and, stage 3, the most bytes of gathered weights alive at once."""
     module, optimizer = strategies.build(STAGES[stage], copy.deepcopy(model), bucket_mb=bucket_mb)
     for step, batch in enumerate(batches[:2]):
-        local = batch.shard(rank, world_size)
+        local = batch.shard(rank, world_size).to(get_device())
         optimizer.zero_grad()
         with Observer() as observed:
             strategies.LOSSES[loss](module(local.inputs), local.targets).backward()
@@ -106,18 +107,16 @@ def fully_shard_recipe_worker(rank, world_size, model_kwargs, full_state, batche
         get_model_state_dict,
         set_model_state_dict,
     )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = strategies.default_mesh("fully_shard")  # every rank, on the launcher's device
     with torch.device("meta"):  # shapes only: no rank ever holds the whole model
         model = reference.TinyLM(**model_kwargs).to(dtype)
     apply_fsdp(model, mesh)  # each block, then the model (helpers.layouts)
-    model.to_empty(device="cpu")  # memory for this rank's pieces
+    model.to_empty(device=get_device())  # memory for this rank's pieces
     set_model_state_dict(model, full_state if rank == 0 else {}, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True))
     optimizer = reference.make_optimizer("adamw", model.parameters())  # on the pieces
     for batch in batches:
-        local = batch.shard(rank, world_size)
+        local = batch.shard(rank, world_size).to(get_device())
         optimizer.zero_grad()
         reference.lm_loss(model(local.inputs), local.targets).backward()
         nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the global norm
@@ -133,7 +132,7 @@ def torch_training_worker(rank, world_size, kind, model, batches):
     the last step."""
     module, optimizer = strategies.build(kind, copy.deepcopy(model))
     for batch in batches:
-        local = batch.shard(rank, world_size)
+        local = batch.shard(rank, world_size).to(get_device())
         optimizer.zero_grad()
         reference.lm_loss(module(local.inputs), local.targets).backward()
         optimizer.step()
@@ -159,7 +158,7 @@ def stage_1_2_contenders(bucket_mb: float) -> dict:
 def stage_1_2_calls_worker(rank, world_size, model, batch, bucket_mb=1.0):
     """One training step of each of STAGE_1_2, observed: {key: {collective: calls}}. DDP's
     all-reduces are issued by its C++ reducer, which the observer does not see."""
-    local = batch.shard(rank, world_size)
+    local = batch.shard(rank, world_size).to(get_device())
     calls = {}
     for key, (name, options) in stage_1_2_contenders(bucket_mb).items():
         module, optimizer = strategies.build(name, copy.deepcopy(model), **options)
@@ -174,7 +173,7 @@ def zero_1_timeline_worker(rank, world_size, model, batch, bucket_mb, steps=5):
     observed (helpers.timing.step_timeline): the forward, the backward, the wait for the
     reduce-scatters at its end (bucketed), the optimizer's step, and every reduce-scatter and
     all-gather from its launch to its end. Returns, for each, the step of median time."""
-    local = batch.shard(rank, world_size)
+    local = batch.shard(rank, world_size).to(get_device())
     timelines = {}
     for key in ("readable_zero_1", "bucketed_zero_1"):
         name, options = stage_1_2_contenders(bucket_mb)[key]
