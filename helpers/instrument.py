@@ -10,8 +10,16 @@
     span(label)                marks a compute region for the innermost active Observer, as
                                torch.profiler.record_function marks one for the profiler; free
                                when no Observer is active, so strategies may carry it
-    saved_activations(module)  while active, records the tensors autograd saves for backward
-    saved_bytes(saved)         their bytes, each storage once
+    Observer.module_spans(modules)
+                               while active, every forward and backward of these modules is a
+                               span, ("forward", key) or ("backward", key)
+    peak_at_hooks(modules, measure)
+                               the most `measure()` returns at these modules' hooks (the bytes
+                               a strategy holds, read where they change)
+    saved_activations(module, classify)
+                               while active, records the tensors autograd saves for backward,
+                               each of the kind `classify` names
+    saved_bytes(saved)         their bytes, each storage once; saved_bytes_by_kind, by kind
 
 Rank-side: imports neither matplotlib nor ipywidgets. The exercise rules (helpers.rules) are
 predicates over the same records.
@@ -148,6 +156,32 @@ class Observer:
         finally:
             self.spans.append(Span(label, start, time.perf_counter(), saved_bytes(saved)))
             self._span = outer
+
+    @contextlib.contextmanager
+    def module_spans(self, modules: dict):
+        """While active, each forward and each backward of every module in `modules`, {key:
+        module}, is a span labelled ("forward", key) or ("backward", key): from its pre-hook to
+        its hook (a backward's ends when the gradients of the module's inputs are computed)."""
+        begun = {}
+
+        def begin(label):
+            return lambda *_: begun.__setitem__(label, time.perf_counter())
+
+        def end(label):
+            return lambda *_: self.spans.append(Span(label, begun.pop(label),
+                                                     time.perf_counter()))
+
+        hooks = []
+        for key, module in modules.items():
+            hooks += [module.register_forward_pre_hook(begin(("forward", key))),
+                      module.register_forward_hook(end(("forward", key))),
+                      module.register_full_backward_pre_hook(begin(("backward", key))),
+                      module.register_full_backward_hook(end(("backward", key)))]
+        try:
+            yield self
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def before(self, record: Record) -> None:
         """Called before every recorded call runs; may raise to stop it."""
@@ -350,18 +384,52 @@ def _set(namespace, key, value):
         setattr(namespace, key, value)
 
 
+class Peak:
+    """The most a measurement returned (`peak_at_hooks`), and how many times it was taken."""
+
+    def __init__(self, measure):
+        self.measure, self.value, self.samples = measure, 0, 0
+
+    def sample(self, *_):
+        self.value, self.samples = max(self.value, self.measure()), self.samples + 1
+
+
 @contextlib.contextmanager
-def saved_activations(module: nn.Module):
+def peak_at_hooks(modules, measure):
+    """While active, `measure()` (bytes held, say) is taken at every forward and backward hook,
+    before and after, of each of `modules`: yields a `Peak`, whose `value` is the most it
+    returned. What is held only between two hooks is not seen: sample at the hooks of the
+    smallest modules that allocate (every Linear), not only at the blocks'."""
+    peak, hooks = Peak(measure), []
+    for module in modules:
+        hooks += [module.register_forward_pre_hook(peak.sample),
+                  module.register_forward_hook(peak.sample),
+                  module.register_full_backward_pre_hook(peak.sample),
+                  module.register_full_backward_hook(peak.sample)]
+    try:
+        yield peak
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextlib.contextmanager
+def saved_activations(module: nn.Module | None = None, classify=None):
     """While active, records every tensor autograd saves for backward, except `module`'s
-    parameters (the weights a layer keeps are not activations): yields a list of
-    (storage pointer, bytes); count each storage once (`saved_bytes`)."""
-    parameters = {param.untyped_storage().data_ptr() for param in module.parameters()}
+    parameters (the weights a layer keeps are not activations): yields a list of (storage
+    pointer, bytes, kind); count each storage once (`saved_bytes`, `saved_bytes_by_kind`).
+    `classify(tensor)` names each tensor's kind, or returns None to leave it out (by default
+    every tensor is kind "saved")."""
+    parameters = ({param.untyped_storage().data_ptr() for param in module.parameters()}
+                  if module is not None else set())
     saved = []
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameters:
-            saved.append((storage.data_ptr(), storage.nbytes()))
+            kind = "saved" if classify is None else classify(tensor)
+            if kind is not None:
+                saved.append((storage.data_ptr(), storage.nbytes(), kind))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -370,4 +438,17 @@ def saved_activations(module: nn.Module):
 
 def saved_bytes(saved: list) -> int:
     """The bytes of the distinct storages in a `saved_activations` record."""
-    return sum(dict(saved).values())
+    return sum({pointer: size for pointer, size, _ in saved}.values())
+
+
+def saved_bytes_by_kind(saved: list) -> dict:
+    """{kind: bytes} of the distinct storages in a `saved_activations` record, kinds in the
+    order they were first saved (a storage saved twice counts once, as the kind it was saved
+    as last)."""
+    kinds = {}
+    for pointer, size, kind in saved:
+        kinds[pointer] = (kind, size)
+    totals = collections.Counter()
+    for kind, size in kinds.values():
+        totals[kind] += size
+    return dict(totals)

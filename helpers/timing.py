@@ -3,6 +3,8 @@ benchmark that times one: a step starts on every rank after a barrier and lasts 
 slowest rank; contenders compared in one run take turns, round after round, and each is
 summarised by its median after a warm-up.
 
+    Clock()                                   seconds since it was made
+    timestamp()                               seconds since the epoch, for logs across restarts
     slowest_rank_seconds(step, group)         one call of step(), timed on the slowest rank
     take_turns(contenders, rounds, warmup)    {name: median seconds}, contenders interleaved
     training_step(module, optimizer, ...)     zero_grad, forward, backward, step
@@ -23,6 +25,23 @@ import torch.distributed as dist
 
 from helpers.instrument import TABLE_NAME, Observer
 from helpers.launcher.result import get_device
+
+
+class Clock:
+    """Seconds since it was made (time.perf_counter: one clock for every process of a machine),
+    for events that do not nest as spans do: a background write that ends in another thread."""
+
+    def __init__(self):
+        self.origin = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.origin
+
+
+def timestamp() -> float:
+    """Seconds since the epoch (time.time): comparable across processes, machines and restarts,
+    for logs that several runs of a job write."""
+    return time.time()
 
 
 def slowest_rank_seconds(step: Callable[[], object], group=None) -> float:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed import all_reduce as imported_all_reduce
 
 from helpers import WorkerError, run
-from helpers.instrument import Observer, saved_activations, saved_bytes
+from helpers.instrument import Observer, saved_activations, saved_bytes, saved_bytes_by_kind
 
 
 def observed_worker(rank, world_size):
@@ -120,3 +120,21 @@ def test_saved_activations_counts_what_autograd_keeps_and_not_the_weights():
     # Linear keeps its input (4 x 8 floats); relu keeps its output (4 x 8 floats)
     assert saved_bytes(saved) == 2 * 4 * 8 * 4
     assert saved_bytes(saved + saved) == saved_bytes(saved)  # each storage once
+
+
+def test_saved_activations_sorts_what_is_kept_by_the_kind_classify_names():
+    layer = nn.Linear(8, 8)
+    inputs = torch.randn(4, 8, requires_grad=True)
+    ids = torch.tensor([1, 2, 3, 0])
+
+    def kind(tensor):  # the float tensors by their number of dimensions; the integer ones left out
+        return None if not tensor.is_floating_point() else f"{tensor.dim()}-D"
+
+    with saved_activations(layer, classify=kind) as saved:
+        # Linear keeps its input (4 x 8); relu its output (4 x 8); indexing its indices (int64)
+        # and nothing else; a sum of a 1-D slice keeps nothing
+        layer(inputs).relu()[ids].sum().backward()
+    assert saved_bytes_by_kind(saved) == {"2-D": 2 * 4 * 8 * 4}
+    with saved_activations(layer) as everything:
+        layer(inputs).relu()[ids].sum().backward()
+    assert saved_bytes(everything) == 2 * 4 * 8 * 4 + 4 * 8  # the int64 indices too

@@ -272,3 +272,63 @@ def test_rank_code_takes_its_device_from_the_launcher():
                     found.append(f"{path.relative_to(HELPERS.parent)}:{node.lineno}: "
                                  f"{value.value!r}")
     assert found == []
+
+
+# Where code may read a clock, hook the tensors autograd saves, or patch torch.distributed: the
+# course's observer and timing harness; lessons 01-03, which teach timing and collectives by hand;
+# the launcher, which times out processes. Everywhere else these go through instrument.py and
+# timing.py, so that one definition of "how long" and one way of watching hold.
+MAY_INSTRUMENT = re.compile(r"helpers\.(instrument|timing|launcher(\..+)?|processes_and_groups\..+"
+                            r"|point_to_point\..+|collectives\..+)$")
+CLOCKS = {"perf_counter", "perf_counter_ns", "time", "time_ns", "monotonic", "monotonic_ns",
+          "process_time"}
+
+
+def instrumentation_in(tree) -> list:
+    """(line, what) for every clock read, saved-tensor hook and patch of torch.distributed."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and node.value.id == "time" \
+                    and node.attr in CLOCKS:
+                found.append((node.lineno, f"time.{node.attr}"))
+            if node.attr == "saved_tensors_hooks":
+                found.append((node.lineno, "saved_tensors_hooks"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "time":
+            found += [(node.lineno, f"from time import {alias.name}") for alias in node.names
+                      if alias.name in CLOCKS]
+        elif isinstance(node, ast.Assign):  # dist.all_reduce = ..., distributed_c10d.x = ...
+            found += [(node.lineno, "assignment to torch.distributed")
+                      for target in node.targets if isinstance(target, ast.Attribute)
+                      and isinstance(target.value, ast.Name)
+                      and target.value.id in ("dist", "distributed_c10d")]
+        elif isinstance(node, ast.Call):
+            text = ast.unparse(node.func)
+            arguments = [ast.unparse(argument) for argument in node.args]
+            if text in ("setattr", "mock.patch.object", "patch.object") and arguments and \
+                    arguments[0] in ("dist", "distributed_c10d", "torch.distributed"):
+                found.append((node.lineno, f"{text}({arguments[0]}, ...)"))
+            if text in ("mock.patch", "patch") and arguments \
+                    and "torch.distributed" in arguments[0]:
+                found.append((node.lineno, f"{text}({arguments[0]})"))
+    return found
+
+
+def test_clocks_saved_tensor_hooks_and_patches_live_in_instrument_and_timing():
+    found = [f"{path.relative_to(HELPERS.parent)}:{line}: {what}"
+             for path in sorted(HELPERS.rglob("*.py"))
+             if not MAY_INSTRUMENT.match(module_name(path))
+             for line, what in instrumentation_in(ast.parse(path.read_text()))]
+    assert found == []
+
+
+def test_the_instrumentation_rule_sees_what_it_forbids():
+    code = ("import time\nfrom time import perf_counter\nimport torch.distributed as dist\n"
+            "start = time.perf_counter()\n"
+            "with torch.autograd.graph.saved_tensors_hooks(pack, unpack): pass\n"
+            "dist.all_reduce = wrapped\nsetattr(dist, 'send', wrapped)\n"
+            "mock.patch('torch.distributed.recv', fake)\ntime.sleep(1)\n")
+    assert [what for _, what in sorted(instrumentation_in(ast.parse(code)))] == [
+        "from time import perf_counter", "time.perf_counter", "saved_tensors_hooks",
+        "assignment to torch.distributed", "setattr(dist, ...)",
+        "mock.patch('torch.distributed.recv')"]

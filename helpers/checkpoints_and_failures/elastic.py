@@ -30,13 +30,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from helpers.checkpoints_and_failures.resume import Experiment, resumable_worker
+from helpers.timing import timestamp
 
 FINAL_FILE = "final.pt"
 
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     log_path = os.path.join(options.directory, f"events.rank{rank}.jsonl")
     with open(log_path, "a") as log:
         def on_event(what, step):
-            log.write(json.dumps({"time": time.time(), "rank": rank, "attempt": attempt,
+            log.write(json.dumps({"time": timestamp(), "rank": rank, "attempt": attempt,
                                   "event": what, "step": step}) + "\n")
             log.flush()
             if (what == "step" and attempt == 0 and rank == options.kill_rank
@@ -117,7 +117,7 @@ def torchrun_job(directory, nproc: int = 4, max_restarts: int = 1, kill=None,
                    "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1"),
                    "PYTHONPATH": os.pathsep.join(filter(None, [_repository(),
                                                                os.environ.get("PYTHONPATH")]))}
-    agent, started = [], time.time()
+    agent, started = [], timestamp()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=environment, start_new_session=True)
     reader = threading.Thread(target=_read_lines, args=(process.stdout, agent), daemon=True)
@@ -164,7 +164,7 @@ def agent_story(job: Job) -> list:
 
 def _read_lines(stream, into: list) -> None:
     for line in stream:
-        into.append((time.time(), line.rstrip("\n")))
+        into.append((timestamp(), line.rstrip("\n")))
 
 
 def _repository() -> str:

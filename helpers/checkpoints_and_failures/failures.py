@@ -45,10 +45,11 @@ import os
 import pickle
 import re
 import signal
-import time
 
 import torch
 import torch.distributed as dist
+
+from helpers.timing import Clock
 
 FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "64"}  # env for run(): each rank's last 64 (of 2000)
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -66,11 +67,11 @@ def peer_view_worker(rank, world_size, victim, step, how, timeout_s, directory):
     for current in range(step + 2):
         if rank == victim and current == step:
             os.kill(os.getpid(), getattr(signal, how))
-        started = time.perf_counter()
+        clock = Clock()
         try:
             dist.all_reduce(tensor, group=group)
         except RuntimeError as error:
-            seen = {"rank": rank, "step": current, "waited": time.perf_counter() - started,
+            seen = {"rank": rank, "step": current, "waited": clock(),
                     "error": gist(str(error))}
             os.makedirs(directory, exist_ok=True)
             with open(os.path.join(directory, f"peer{rank}.json"), "w") as file:

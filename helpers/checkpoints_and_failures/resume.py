@@ -21,7 +21,6 @@ a timeline of both.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,7 @@ from torch.utils.data import DistributedSampler
 from helpers import reference, strategies
 from helpers.checkpoints_and_failures.sharded import full_state
 from helpers.launcher.result import get_device
+from helpers.timing import Clock
 from helpers.training import mean_over
 
 PIECES = ("model", "optimizer", "sampler", "rng")  # what a checkpoint here holds
@@ -227,11 +227,7 @@ def async_save_worker(rank, world_size, experiment, directory, asynchronous=True
     saving_group = dist.new_group(backend="gloo")
     position, events, pending, staged = {"epoch": 0, "offset": 0}, [], None, 0
     dist.barrier()
-    origin = time.perf_counter()
-
-    def now():
-        return time.perf_counter() - origin
-
+    now = Clock()  # seconds since the ranks left the barrier
     for step in range(1, experiment.steps + 1):
         started = now()
         batch = experiment.batch(sampler, position["epoch"], position["offset"]).to(get_device())

@@ -10,6 +10,7 @@ from torch import nn
 from helpers import reference
 from helpers.exercises import Exercise
 from helpers.fitting_a_model.precision import moved
+from helpers.instrument import saved_activations, saved_bytes
 from helpers.launcher.result import get_device
 
 EXERCISES = {}
@@ -33,25 +34,21 @@ def _run(function, seed, batch):
     layer = _layer(seed)
     leaf = reference.seeded_randn(seed + 1, batch, WIDTH).double().requires_grad_()
     x = leaf * 2
-    parameters = {param.untyped_storage().data_ptr() for param in layer.parameters()}
-    kept = {}
+    x_storage = x.untyped_storage().data_ptr()
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if tensor.is_floating_point() and storage.data_ptr() not in parameters \
-                and storage.data_ptr() != x.untyped_storage().data_ptr():
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
+    def floating_not_x(tensor):
+        wanted = tensor.is_floating_point() and tensor.untyped_storage().data_ptr() != x_storage
+        return "kept" if wanted else None
 
     torch.manual_seed(seed + 2)  # what dropout draws
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+    with saved_activations(layer, classify=floating_not_x) as kept, \
             _without_torch_checkpoint():
         output = function(layer, x)
     torch.manual_seed(seed + 3)  # backward must not depend on the generator's state now
     weights = reference.seeded_randn(seed + 4, batch, WIDTH).double()
     (output * weights).sum().backward()
     return (output.detach(), leaf.grad,
-            {name: param.grad for name, param in layer.named_parameters()}, sum(kept.values()))
+            {name: param.grad for name, param in layer.named_parameters()}, saved_bytes(kept))
 
 
 @contextlib.contextmanager

@@ -10,12 +10,17 @@ only, inside a machine on a real cluster). With B bytes of
 weights per block, R for the root's own (embeddings, final norm, head), L blocks, on n ranks:
 
     setting   all-gathers per step             gathered bytes held at most
-    True      L + 1 over n, L + 1 over n       R + B            (one block at a time)
+    True      L + 1 over n, L + 1 over n       R + 2 B          (a block, and the next one's
+                                                                 prefetched in backward)
     False     L + 1 over n                     R + L B          (every block until backward)
-    k         L + 1 over n, L + 1 over k       R + B + (L-1) B/k
+    k         L + 1 over n, L + 1 over k       R + 2 B + (L-1) B/k
 
   (True here is passed to the root too, so its weights are gathered again for backward; the
-  default, None, keeps the root's gathered from forward to backward.)
+  default, None, keeps the root's gathered from forward to backward.) The second B: by default
+  FSDP2 prefetches in backward (FSDPParamGroup._backward_prefetch, _fsdp_param_group.py): a
+  block's pre-backward issues the all-gather of the block whose backward comes next, and its
+  output buffer holds that block's whole weights until the block copies them out. With False
+  nothing is gathered in backward, so nothing is prefetched.
 
 prefetch: set_modules_to_forward_prefetch / set_modules_to_backward_prefetch name the modules
 whose all-gathers a module issues in its own pre-forward / pre-backward hook, ahead of their
@@ -38,14 +43,14 @@ from __future__ import annotations
 
 import collections
 import copy
-import time
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from helpers import reference
-from helpers.instrument import Observer
+from helpers.instrument import Observer, peak_at_hooks
 from helpers.launcher.result import get_device
 from helpers.layouts import apply_fsdp
 from helpers.strategies import default_mesh, full_parameters
@@ -54,18 +59,25 @@ from helpers.timing import observed_training
 
 def gathered_bytes(model) -> int:
     """The bytes of gathered weights the fully_shard'ed modules inside `model` hold now: their
-    all-gather outputs (a storage of size 0 once freed) and the 1/k pieces an int
-    reshard_after_forward keeps. FSDP2 internals (see the module docstring)."""
+    all-gather outputs (a storage of size 0 once freed), the 1/k pieces an int
+    reshard_after_forward keeps, and the buffer of an all-gather issued ahead of its module's
+    turn that no module has copied out yet (FSDP2's default backward prefetch gathers the next
+    block's weights in the backward of this one). FSDP2 internals (see the module docstring)."""
     storages = {}
     for module in model.modules():
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(
             module, FSDPModule) else None
-        for param in group.fsdp_params if group is not None else []:
-            kept = getattr(param, "_sharded_post_forward_param_data", None)
-            for tensor in [*param.all_gather_outputs, kept]:
-                if tensor is not None:
-                    storage = tensor.untyped_storage()
-                    storages[storage.data_ptr()] = storage.nbytes()
+        if group is None:
+            continue
+        pending = group._all_gather_result  # issued, not yet copied out into the parameters
+        tensors = [pending.all_gather_output] if pending is not None else []
+        for param in group.fsdp_params:
+            tensors += [*param.all_gather_outputs,
+                        getattr(param, "_sharded_post_forward_param_data", None)]
+        for tensor in tensors:
+            if tensor is not None:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
@@ -76,24 +88,20 @@ def group_size(record, world_size: int) -> int:
 
 def reshard_worker(rank, world_size, model, batch, reshard_after_forward):
     """A forward and backward of fully_shard'ed `model` (2 steps; the second observed) with
-    `reshard_after_forward`. Returns {"peak": the most gathered bytes held at any block's hooks,
-    "all-gathers": {group size: count}, "sent": {group size: bytes of all-gathers}}."""
+    `reshard_after_forward`. Returns {"peak": the most gathered bytes held at any hook of a
+    block's Linear (instrument.peak_at_hooks), "all-gathers": {group size: count}, "sent":
+    {group size: bytes of all-gathers}}."""
     model = apply_fsdp(copy.deepcopy(model).to(get_device()), default_mesh("fully_shard"),
                        reshard_after_forward=reshard_after_forward)
-    peak = 0
-
-    def sample(*_):
-        nonlocal peak
-        peak = max(peak, gathered_bytes(model))
-
-    for block in model.blocks:
-        block.register_forward_hook(sample)
-        block.register_full_backward_hook(sample)
+    # every Linear of the blocks (the root's own layers take no backward hook quietly: the
+    # embeddings' inputs need no gradient, and the head's output is the model's)
+    layers = [module for block in model.blocks for module in block.modules()
+              if isinstance(module, nn.Linear)]
     local = batch.shard(rank, world_size).to(get_device())
     for _ in range(2):
-        peak = 0
-        with Observer() as observed:
+        with Observer() as observed, peak_at_hooks(layers, lambda: gathered_bytes(model)) as held:
             reference.lm_loss(model(local.inputs), local.targets).backward()
+    peak = held.value
     gathers = [record for record in observed.records if record.name == "all_gather_single"]
     counts, sent = collections.Counter(), collections.Counter()
     for record in gathers:
@@ -106,12 +114,12 @@ def reshard_formula(block_bytes: int, root_bytes: int, blocks: int, world_size: 
                     reshard_after_forward) -> dict:
     """The table in the module docstring: {"peak": bytes, "all-gathers": {group size: count}}."""
     passes = blocks + 1  # every block and the root, once per pass
-    if reshard_after_forward is True:
-        return {"peak": root_bytes + block_bytes, "all-gathers": {world_size: 2 * passes}}
+    if reshard_after_forward is True:  # this block's, and the next one's prefetched
+        return {"peak": root_bytes + 2 * block_bytes, "all-gathers": {world_size: 2 * passes}}
     if reshard_after_forward is False:
         return {"peak": root_bytes + blocks * block_bytes, "all-gathers": {world_size: passes}}
     k = reshard_after_forward
-    return {"peak": root_bytes + block_bytes + (blocks - 1) * block_bytes // k,
+    return {"peak": root_bytes + 2 * block_bytes + (blocks - 1) * block_bytes // k,
             "all-gathers": {world_size: passes, k: passes}}
 
 
@@ -128,29 +136,19 @@ def prefetch_worker(rank, world_size, model, batch, prefetch: int):
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, index - prefetch):index][::-1])
-    marks = []  # (what, block, when)
-
-    def mark(what, index):
-        return lambda *_: marks.append((what, index, time.perf_counter()))
-
-    for index, block in enumerate(blocks):
-        block.register_forward_pre_hook(mark("forward", index))
-        block.register_forward_hook(mark("forward end", index))
-        block.register_full_backward_pre_hook(mark("backward", index))
-        block.register_full_backward_hook(mark("backward end", index))
     local = batch.shard(rank, world_size).to(get_device())
     for _ in range(2):
-        marks.clear()
-        with Observer() as observed:
-            start = time.perf_counter()
+        with Observer() as observed, observed.module_spans(dict(enumerate(blocks))), \
+                observed.span("step"):
             reference.lm_loss(model(local.inputs), local.targets).backward()
+    spans = {span.label: span for span in observed.spans}
+    start = spans["step"].start
     gathers = [(record.launched - start, record.completed - start)
                for record in observed.records if record.name == "all_gather_single"]
-    begun = {(what, index): when - start for what, index, when in marks}
-    events = [(kind, begun[kind, index], begun[f"{kind} end", index])
+    events = [(kind, spans[kind, index].start - start, spans[kind, index].end - start)
               for kind in ("forward", "backward") for index in range(len(blocks))]
     events += [("all_gather", launched, completed) for launched, completed in gathers]
-    ahead = [sum(launched < begun["forward", index] for launched, _ in gathers)
+    ahead = [sum(launched < spans["forward", index].start - start for launched, _ in gathers)
              for index in range(len(blocks))]
     return {"events": events, "ahead": ahead}
 

@@ -37,14 +37,13 @@ growth_interval (2000) steps in a row without one it multiplies it by growth_fac
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import torch
 import torch.distributed as dist
 
 from helpers import reference
-from helpers.instrument import Observer
+from helpers.instrument import Observer, saved_activations, saved_bytes_by_kind
 from helpers.launcher.result import get_device
 from helpers.layouts import apply_fsdp
 from helpers.strategies import default_mesh, full_parameters
@@ -91,26 +90,19 @@ def bytes_by_kind(model, batch, dtype=None, device=None) -> dict:
     device = device or get_device()
     model, batch = copy.deepcopy(model).to(device), batch.to(device)
     parameters = {id(param) for param in model.parameters()}
-    own = {param.untyped_storage().data_ptr() for param in model.parameters()}
-    kept = {}
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in own:
-            kind = ("weight copies" if is_weight_copy(tensor, parameters)
-                    else f"activations, {str(tensor.dtype).removeprefix('torch.')}")
-            kept[storage.data_ptr()] = (kind, storage.nbytes())
-        return tensor
+    def kind(tensor):
+        if is_weight_copy(tensor, parameters):
+            return "weight copies"
+        return f"activations, {str(tensor.dtype).removeprefix('torch.')}"
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+    with saved_activations(model, classify=kind) as saved, \
             torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = reference.lm_loss(model(batch.inputs), batch.targets)
     loss.backward()
-    totals = collections.Counter()
-    for kind, size in kept.values():
-        totals[kind] += size
     return {"weights": sum(param.nbytes for param in model.parameters()),
-            "gradients": sum(param.grad.nbytes for param in model.parameters()), **totals}
+            "gradients": sum(param.grad.nbytes for param in model.parameters()),
+            **saved_bytes_by_kind(saved)}
 
 
 def scaler_steps(model, batches, init_scale: float, device=None) -> list:

@@ -8,13 +8,12 @@ barrier and lasts as long as its slowest rank, and the median of the calls is ke
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from helpers.cost_model import OPERATIONS
-from helpers.timing import take_turns
+from helpers.timing import Clock, take_turns
 
 
 def collective_call(op, size_bytes, world_size):
@@ -55,7 +54,7 @@ def memory_copy_bandwidth(size_bytes=64 * 2**20, repeats=7) -> float:
     target.copy_(source)
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        clock = Clock()
         target.copy_(source)
-        times.append(time.perf_counter() - started)
+        times.append(clock())
     return size_bytes / statistics.median(times)
