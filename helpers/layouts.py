@@ -10,17 +10,24 @@ model in place. Lessons 07, 10, 11 and 12 call them, and show them where they fi
   reshard_after_forward, ...) go to every call.
 - `apply_tp(model, mesh, sequence_parallel=False)`: `parallelize_module` on each block of a
   TinyLM, with lesson 08's plan (tensor_parallelism.megatron.torch_plan).
-- `apply_dp_tp(model, mesh)`: both on a ("dp", "tp") mesh: tensor parallelism over mesh["tp"],
-  then FSDP2 over mesh["dp"].
+- `apply_dp_tp(model, mesh, recompute="none")`: both on a ("dp", "tp") mesh: tensor parallelism
+  over mesh["tp"], then activation checkpointing, then FSDP2 over mesh["dp"] (torchtitan's order).
+- `apply_ac(model, mode)`: activation checkpointing of every block, "none", "selective" (the
+  attention core recomputed in backward) or "full" (the whole block), with torch.utils.checkpoint
+  (`recompute_in_backward`). Lesson 11 teaches it.
 """
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 UNITS = ("block", "layer")
+AC_MODES = ("none", "selective", "full")
 
 
 def apply_fsdp(model: nn.Module, mesh, *, unit: str = "block", **options) -> nn.Module:
@@ -42,10 +49,32 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.M
     return model
 
 
-def apply_dp_tp(model: nn.Module, mesh) -> nn.Module:
-    """A TinyLM on a ("dp", "tp") mesh: tensor-parallel over "tp", then FSDP2 over "dp"."""
+def apply_dp_tp(model: nn.Module, mesh, *, recompute: str = "none") -> nn.Module:
+    """A TinyLM on a ("dp", "tp") mesh: tensor-parallel over "tp", each block checkpointed as
+    `recompute` says (apply_ac), then FSDP2 over "dp"."""
     apply_tp(model, mesh["tp"])
+    apply_ac(model, recompute)
     return apply_fsdp(model, mesh["dp"])
+
+
+def recompute_in_backward(module: nn.Module, method: str = "forward") -> None:
+    """From now on, `module.method` runs under torch.utils.checkpoint: autograd keeps only its
+    inputs, and backward runs it again to get what it needs."""
+    original = getattr(type(module), method)
+    setattr(module, method, functools.partial(checkpoint, original, module, use_reentrant=False))
+
+
+def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
+    """Checkpoint every block of `model` (a TinyLM, or one Block): "full" recomputes the whole
+    block from its input, "selective" only its attention core, "none" nothing. Returns model."""
+    if mode not in AC_MODES:
+        raise ValueError(f"mode must be one of {AC_MODES}, got {mode!r}")
+    for block in getattr(model, "blocks", [model]):
+        if mode == "full":
+            recompute_in_backward(block)
+        elif mode == "selective":
+            recompute_in_backward(block.attention, "core")
+    return model
 
 
 def fsdp_units(model: nn.Module, unit: str = "block") -> list:

@@ -28,8 +28,9 @@ ones use its process group; by default the whole world, and for dp_tp pairs of r
 `bucket_mb`, `unit` (zero_3: "layer" by default, as lesson 07 builds it; fully_shard: "block",
 as FSDP2's documentation wraps a transformer), `compute_dtype` (zero_3), `optimizer` and `lr`
 (helpers.reference), `max_grad_norm` (clip the global gradient norm before each step: the
-sharded optimizers clip their pieces, the others with a step pre-hook). Everything is built on
-the launcher's device (`get_device()`: a GPU under NCCL, else the CPU).
+sharded optimizers clip their pieces, the others with a step pre-hook), `recompute` (activation
+checkpointing of every block, helpers.layouts.apply_ac: "none", "selective" or "full").
+Everything is built on the launcher's device (`get_device()`: a GPU under NCCL, else the CPU).
 
     full_parameters(module)        every whole parameter, by the unwrapped model's names
     held_bytes(module, optimizer)  the bytes of model state this rank holds
@@ -54,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from helpers import reference
+from helpers import layouts, reference
 from helpers.instrument import Observer
 from helpers.launcher.result import get_device
 from helpers.timing import take_turns, training_step
@@ -66,12 +67,14 @@ SYNC = ("each_micro_batch", "last_micro_batch")  # accumulation: when gradients 
 
 def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = None,
           unit: str | None = None, compute_dtype: torch.dtype | None = None,
-          optimizer: str = "adamw", lr: float = reference.LR,
-          max_grad_norm: float | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+          optimizer: str = "adamw", lr: float = reference.LR, max_grad_norm: float | None = None,
+          recompute: str = "none") -> tuple[nn.Module, torch.optim.Optimizer]:
     """`model` (changed in place: pass a copy to keep it) laid out as strategy `name`, and its
     optimizer: (the module to call, the optimizer to step). See the module docstring."""
     check(name)
     model = model.to(get_device())  # in place: a Module's to() moves its own tensors
+    if name != "dp_tp":  # (dp_tp checkpoints between tensor parallelism and FSDP2)
+        layouts.apply_ac(model, recompute)
     optimizer_cls, settings = reference.OPTIMIZERS[optimizer]
     settings = {**settings, "lr": lr}
     group = None if mesh is None or name in ("fully_shard", "dp_tp") else mesh.get_group()
@@ -85,7 +88,7 @@ def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = N
             return model, ShardedOptimizer(model.parameters(), optimizer_cls, **sharded)
         return model, BucketedShardedOptimizer(model.parameters(), optimizer_cls,
                                                bucket_mb=bucket_mb, **sharded)
-    module, clip = _module(name, model, mesh, group, bucket_mb, unit, compute_dtype)
+    module, clip = _module(name, model, mesh, group, bucket_mb, unit, compute_dtype, recompute)
     if name == "zero_redundancy_optimizer":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -97,7 +100,7 @@ def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = N
     return module, made
 
 
-def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype):
+def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype, recompute):
     """The module of a strategy whose optimizer is a plain one, and how to clip its gradients."""
     def clip_whole(max_norm):
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -126,12 +129,10 @@ def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype):
         fsdp = FSDP(model, compute_dtype=compute_dtype, group=group,
                     units=_blocks(model) if unit == "block" else None)  # default: per layer
         return fsdp, fsdp.clip_grad_norm_
-    from helpers import layouts
-
     if name == "fully_shard":
         layouts.apply_fsdp(model, mesh or default_mesh(name), unit=unit or "block")
     else:  # dp_tp
-        layouts.apply_dp_tp(model, mesh or default_mesh(name))
+        layouts.apply_dp_tp(model, mesh or default_mesh(name), recompute=recompute)
     return model, clip_whole
 
 

@@ -12,7 +12,7 @@ import torch
 from checker import expect_acceptance, expect_rejection
 from compare import labelled
 
-from helpers import reference, run
+from helpers import layouts, reference, run
 from helpers.fitting_a_model import checkpointing, plots
 
 # Byte and FLOP counts are exact integers, the same on any CPU; the gradients are the results
@@ -53,7 +53,7 @@ def test_recomputation_leaves_every_gradient_identical(mode):
     batch = reference.lm_data(seed=1, batch_size=4)[0]
 
     def gradients(mode):
-        model = checkpointing.apply(reference.make_lm(tie_weights=True, seed=0), mode)
+        model = layouts.apply_ac(reference.make_lm(tie_weights=True, seed=0), mode)
         reference.lm_loss(model(batch.inputs), batch.targets).backward()
         return {name: param.grad for name, param in model.named_parameters()}
 
@@ -91,7 +91,7 @@ def test_step_times_are_measured_for_every_mode():
 
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="mode must be one of"):
-        checkpointing.apply(reference.make_block(), "everything")
+        layouts.apply_ac(reference.make_block(), "everything")
 
 
 def test_the_key_figure_draws():

@@ -79,3 +79,34 @@ def test_a_checkpoint_saved_on_4_ranks_loads_on_2_and_trains_like_one_process(ke
 def test_an_unknown_strategy_names_the_choices():
     with pytest.raises(ValueError, match=r"unknown strategy 'zero_4'; choose one of \['one_"):
         strategies.build("zero_4", torch.nn.Linear(2, 2))
+
+
+# PyTorch's strategies, and activation checkpointing under the sharded ones
+PYTORCH = {
+    "torch_ddp": ("torch_ddp", {}, 2),
+    "zero_redundancy_optimizer": ("zero_redundancy_optimizer", {}, 2),
+    "fully_shard_recomputing": ("fully_shard", {"recompute": "full"}, 2),
+    "dp_tp_recomputing": ("dp_tp", {"recompute": "selective"}, 4),
+    "zero_2_recomputing": ("zero_2", {"recompute": "full", "bucket_mb": 0.01}, 2),
+}
+
+
+def training_worker(rank, world_size, name, options, model, batches):
+    mesh = strategies.default_mesh(name) if name in ("fully_shard", "dp_tp") else None
+    module, optimizer = strategies.build(name, copy.deepcopy(model), mesh=mesh, **options)
+    train(module, optimizer, batches, *strategies.batch_shard(mesh))
+    return strategies.full_parameters(module)
+
+
+@pytest.mark.parametrize("key", PYTORCH)
+def test_every_strategy_built_by_name_trains_like_one_process(key):
+    """Recomputation changes what is kept, not what is computed: the same parameters."""
+    name, options, ranks = PYTORCH[key]
+    model, batches = lm_and_batches()
+    out = run(training_worker, ranks, show_output=False, kwargs=dict(
+        name=name, options=options, model=model, batches=batches))
+    alone = reference.train(model, batches, reference.lm_loss, optimizer="adamw").parameters
+    for parameters in out:
+        assert list(parameters) == list(alone)
+        for name_, param in alone.items():
+            torch.testing.assert_close(parameters[name_], param, msg=labelled(name_))

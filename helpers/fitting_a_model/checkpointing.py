@@ -9,8 +9,8 @@ softmax and dropout make the 5as/h term, recomputed in backward) 34sbh; full rec
 the layer's input kept) 2sbh. The course's Block keeps float32 activations and has no dropout, so
 `kept_formula` counts its own tensors (lesson 08's `block_formula`) the same way.
 
-    recompute_in_backward(module, method)   run module.method under torch.utils.checkpoint
-    apply(model, mode)                      "none", "selective" or "full", on every block
+    helpers.layouts.apply_ac(model, mode)   "none", "selective" or "full", on every block
+                                            (recompute_in_backward: torch.utils.checkpoint)
     kept_bytes(block, x, mode, attention)   what autograd keeps in one block's forward, measured
     kept_formula(s, b, h, a, mode, attention)   the same, by formula
     paper_bytes(s, b, h, a, mode)           the paper's Table 2; paper_bytes_as_the_block: the
@@ -26,46 +26,24 @@ keeps only each row's log-sum-exp and recomputes the probabilities in its backwa
 from __future__ import annotations
 
 import copy
-import functools
 
-import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import reference
+from helpers import reference, strategies
 from helpers.instrument import saved_activations, saved_bytes
+from helpers.layouts import AC_MODES, apply_ac
 from helpers.tensor_parallelism.memory import block_formula
-from helpers.timing import take_turns, training_step
 
-MODES = ("none", "selective", "full")
+MODES = AC_MODES  # helpers.layouts.apply_ac's
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
-
-
-def recompute_in_backward(module, method: str = "forward") -> None:
-    """From now on, `module.method` runs under torch.utils.checkpoint: autograd keeps only its
-    inputs, and backward runs it again to get what it needs."""
-    original = getattr(type(module), method)
-    setattr(module, method, functools.partial(checkpoint, original, module, use_reentrant=False))
-
-
-def apply(model, mode: str):
-    """Checkpoint every block of `model` (a TinyLM, or one Block): "full" recomputes the whole
-    block from its input, "selective" only its attention core, "none" nothing. Returns model."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    for block in getattr(model, "blocks", [model]):
-        if mode == "full":
-            recompute_in_backward(block)
-        elif mode == "selective":
-            recompute_in_backward(block.attention, "core")
-    return model
 
 
 def kept_bytes(block, x, mode: str, attention: str = "flash") -> int:
     """The bytes of the distinct tensors autograd keeps for backward in one forward of `block`
     (a copy, checkpointed by `mode`), its parameters left out (instrument.saved_activations)."""
-    block = apply(copy.deepcopy(block), mode)
+    block = apply_ac(copy.deepcopy(block), mode)
     with sdpa_kernel(KERNELS[attention]), saved_activations(block) as saved:
         block(x)
     return saved_bytes(saved)
@@ -103,21 +81,14 @@ def paper_bytes_as_the_block(s: int, b: int, h: int, a: int, mode: str) -> float
 
 
 def step_times_worker(rank, world_size, model, batch, iterations, kernel="math"):
-    """One copy of `model` per mode, taking turns (helpers.timing): each one's median seconds
-    for a training step (forward, backward, SGD) on this rank's slice of `batch`, attention on
-    `kernel`."""
-    local = batch.shard(rank, world_size)
-
-    def step(model, optimizer):
-        with sdpa_kernel(KERNELS[kernel]):
-            training_step(model, optimizer, reference.lm_loss, local.inputs, local.targets)
-
-    steps = {}
-    for mode in MODES:
-        checkpointed = apply(copy.deepcopy(model), mode)
-        optimizer = torch.optim.SGD(checkpointed.parameters(), lr=1e-3)
-        steps[mode] = functools.partial(step, checkpointed, optimizer)
-    return take_turns(steps, rounds=iterations)
+    """One copy of `model` per mode (strategies.step_times_worker: "one_process" with
+    recompute=mode, SGD), taking turns: each one's median seconds for a training step on this
+    rank's slice of `batch`, attention on `kernel`."""
+    contenders = {mode: ("one_process", {"recompute": mode, "optimizer": "sgd", "lr": 1e-3})
+                  for mode in MODES}
+    with sdpa_kernel(KERNELS[kernel]):
+        return strategies.step_times_worker(rank, world_size, contenders, model, batch,
+                                            iterations)["seconds"]
 
 
 def step_flops(model, batch, mode: str, early_stop: bool = True) -> dict:
@@ -127,7 +98,7 @@ def step_flops(model, batch, mode: str, early_stop: bool = True) -> dict:
     products the counter sees (it has no formula for the CPU's flash kernel). `early_stop`:
     torch.utils.checkpoint's default, which stops recomputing once backward has every tensor it
     needs (set_checkpoint_early_stop)."""
-    model = apply(copy.deepcopy(model), mode)
+    model = apply_ac(copy.deepcopy(model), mode)
     with sdpa_kernel(KERNELS["math"]), set_checkpoint_early_stop(early_stop):
         with FlopCounterMode(display=False) as forward:
             loss = reference.lm_loss(model(batch.inputs), batch.targets)
