@@ -168,8 +168,10 @@ class Observer:
             return lambda *_: begun.__setitem__(label, time.perf_counter())
 
         def end(label):
-            return lambda *_: self.spans.append(Span(label, begun.pop(label),
-                                                     time.perf_counter()))
+            def record(*_):
+                if label in begun:  # (a backward hook can fire without its pre-hook)
+                    self.spans.append(Span(label, begun.pop(label), time.perf_counter()))
+            return record
 
         hooks = []
         for key, module in modules.items():

@@ -6,8 +6,11 @@
         loss_fn(module(batch.inputs), batch.targets).backward()
         optimizer.step()
 
-whatever the name: a hand-built strategy finishes its gradient synchronization where PyTorch's
-DDP does, in a callback it queues on autograd's engine, which runs when backward ends.
+whatever the name. A hand-built strategy that communicates during backward (ddp, naive, the
+bucketed zero_1 and zero_2, zero_3) finishes its gradient synchronization where PyTorch's DDP
+does, in a callback it queues on autograd's engine, which runs when backward ends; the readable
+ShardedOptimizer (zero_1 and zero_2 without bucket_mb) reduces in its hooks (stage 2) or in
+step() (stage 1), which asks nothing of the caller either.
 
     name                        built by                                        lesson
     one_process                 the model alone (world size 1)                  -
@@ -63,6 +66,7 @@ from helpers.timing import take_turns, training_step
 STRATEGIES = ("one_process", "naive", "ddp", "torch_ddp", "zero_1", "zero_2", "zero_3",
               "zero_redundancy_optimizer", "fully_shard", "dp_tp")
 SYNC = ("each_micro_batch", "last_micro_batch")  # accumulation: when gradients are reduced
+MESHED = ("fully_shard", "dp_tp")  # laid out on a DeviceMesh (default_mesh, unless given one)
 
 
 def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = None,
@@ -92,11 +96,15 @@ def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = N
     if name == "zero_redundancy_optimizer":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        made = ZeroRedundancyOptimizer(module.parameters(), optimizer_cls, **settings)
+        made = ZeroRedundancyOptimizer(module.parameters(), optimizer_cls, process_group=group,
+                                       **settings)
     else:
         made = optimizer_cls(module.parameters(), **settings)
     if max_grad_norm is not None:  # before each step, on the synchronized gradients
-        made.register_step_pre_hook(lambda *_: clip(max_grad_norm) and None)
+        def clip_before_step(*_):
+            clip(max_grad_norm)  # (a pre-hook returns None, or new arguments for step)
+
+        made.register_step_pre_hook(clip_before_step)
     return module, made
 
 
@@ -246,16 +254,19 @@ LOSSES = {"lm": reference.lm_loss, "mse": reference.mse_loss}
 
 def step_times_worker(rank, world_size, contenders, model, batch, iterations, loss="lm"):
     """Each contender, {label: (strategy name, build options)}, on its own copy of `model`,
-    trains on this rank's slice of `batch`, one step after the other (helpers.timing.take_turns:
-    every step starts after a barrier and lasts as long as the slowest rank; the first round
-    a warm-up, in which torch's DDP also rebuilds its buckets). Returns {"seconds": each one's
+    trains on this rank's slice of `batch` (batch_shard: its data-parallel slice), one step after
+    the other (helpers.timing.take_turns: every step starts after a barrier and lasts as long as
+    the slowest rank; the first round a warm-up, in which torch's DDP also rebuilds its
+    buckets). Returns {"seconds": each one's
     median step time, "held": the bytes of model state each holds between one more backward
     and its optimizer's step (held_bytes)}."""
-    local = batch.shard(rank, world_size).to(get_device())
-    built = {label: build(name, copy.deepcopy(model), **options)
-             for label, (name, options) in contenders.items()}
+    built, local = {}, {}
+    for label, (name, options) in contenders.items():
+        mesh = options.get("mesh") or (default_mesh(name) if name in MESHED else None)
+        built[label] = build(name, copy.deepcopy(model), **{**options, "mesh": mesh})
+        local[label] = batch.shard(*batch_shard(mesh)).to(get_device())
     steps = {label: functools.partial(training_step, module, optimizer, LOSSES[loss],
-                                      local.inputs, local.targets)
+                                      local[label].inputs, local[label].targets)
              for label, (module, optimizer) in built.items()}
     with warnings.catch_warnings():
         # fully_shard on a single Linear warns that its output (a view, for 3-D inputs) must not
@@ -265,7 +276,7 @@ def step_times_worker(rank, world_size, contenders, model, batch, iterations, lo
         held = {}
         for label, (module, optimizer) in built.items():
             optimizer.zero_grad()
-            LOSSES[loss](module(local.inputs), local.targets).backward()
+            LOSSES[loss](module(local[label].inputs), local[label].targets).backward()
             held[label] = held_bytes(module, optimizer)
             optimizer.step()
     return {"seconds": seconds, "held": held}
@@ -283,9 +294,10 @@ def accumulation_worker(rank, world_size, strategy, model, batches, micro_batche
     ("gradient bytes", held_bytes)."""
     if sync not in SYNC:
         raise ValueError(f"unknown sync {sync!r}; choose one of {list(SYNC)}")
-    module, optimizer = build(strategy, copy.deepcopy(model), **options)
+    mesh = options.pop("mesh", None) or (default_mesh(strategy) if strategy in MESHED else None)
+    module, optimizer = build(strategy, copy.deepcopy(model), mesh=mesh, **options)
     for batch in batches:
-        local = batch.shard(rank, world_size).to(get_device())
+        local = batch.shard(*batch_shard(mesh)).to(get_device())
         optimizer.zero_grad()
         most = 0
         with Observer() as observed:

@@ -44,12 +44,22 @@ def timestamp() -> float:
     return time.time()
 
 
+def synchronize() -> None:
+    """Wait for the work queued on this rank's GPU, if it has one (get_device()): CUDA kernels
+    and NCCL's collectives return before they are done, so a clock read without this times
+    their launch only (lesson 04)."""
+    if get_device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def slowest_rank_seconds(step: Callable[[], object], group=None) -> float:
     """Every rank of `group` waits for the others, runs `step()`, and gets the seconds of the
     slowest one. Every rank must call it."""
     dist.barrier(group=group)
+    synchronize()
     started = time.perf_counter()
     step()
+    synchronize()  # a GPU's kernels and NCCL's collectives run after their calls return
     elapsed = torch.tensor([time.perf_counter() - started])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return elapsed.item()

@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.gpu,
 
 ONE_RANK = {  # every strategy that runs on one rank, and the options that change its layout
     "one_process": ("one_process", {}), "naive": ("naive", {}), "ddp": ("ddp", {}),
+    "bucketed_ddp": ("ddp", {"bucket_mb": 0.01}),
+    "clipped_zero_3": ("zero_3", {"max_grad_norm": 0.5}),
     "torch_ddp": ("torch_ddp", {}), "readable_zero_1": ("zero_1", {}),
     "bucketed_zero_2": ("zero_2", {"bucket_mb": 0.01}), "zero_3": ("zero_3", {}),
     "zero_redundancy_optimizer": ("zero_redundancy_optimizer", {}),
@@ -56,7 +58,8 @@ def test_every_strategy_trains_on_the_gpu_like_one_process_on_the_cpu(key):
         name=name, options=options, model=model, batches=batches))
     assert out.backend == GLOO_AND_NCCL
     assert out[0]["device"] == "cuda"
-    alone = reference.train(model, batches, reference.lm_loss).parameters
+    alone = reference.train(model, batches, reference.lm_loss,
+                            max_grad_norm=options.get("max_grad_norm")).parameters
     for name_, param in alone.items():
         torch.testing.assert_close(out[0]["parameters"][name_], param, msg=labelled(name_))
 

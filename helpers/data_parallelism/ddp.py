@@ -76,6 +76,7 @@ class AverageAfterBackward(nn.Module):
                 param.register_post_accumulate_grad_hook(self.gradient_ready)
 
     def forward(self, *args, **kwargs):
+        self._queued = False  # (a backward that raised never ran its averaging)
         return self.module(*args, **kwargs)
 
     def gradient_ready(self, param):
@@ -96,7 +97,8 @@ class Bucket:
     def __init__(self, params: list):
         self.params = params
         self.flat = None if len(params) == 1 else torch.empty(sum(p.numel() for p in params),
-                                                              dtype=params[0].dtype)
+                                                              dtype=params[0].dtype,
+                                                              device=params[0].device)
         self.views = [] if self.flat is None else list(
             self.flat.split([p.numel() for p in params]))
         self.ready = 0  # how many of its gradients this backward has produced so far
@@ -146,6 +148,7 @@ class DDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
+            self._finish_queued = False  # (a backward that raised never ran its finish)
             self._sync_this_backward = self.require_gradient_sync
             if self._sync_this_backward:
                 for buffer in self.module.buffers():  # every step starts from rank 0's

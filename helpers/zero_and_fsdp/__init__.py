@@ -16,6 +16,7 @@ NOTEBOOK = "07_zero_and_fsdp.ipynb"
 BUILDS_ON = {
     "data_parallelism.ddp:bucket_indices": "lesson 06's buckets, reduce-scattered",
     "data_parallelism.ddp:at_end_of_backward":
-        "lesson 06's DDP finishes its sync at the end of backward; so do ZeRO-2 and ZeRO-3",
+        "lesson 06's DDP finishes its sync at the end of backward; so do the bucketed ZeRO "
+        "and ZeRO-3",
     "data_parallelism.ddp:broadcast_from_first": "lesson 06's DDP starts replicas equal",
 }

@@ -193,6 +193,10 @@ class BucketedShardedOptimizer(ShardedOptimizer):
                 received += piece.grad  # stage 2 accumulates this backward's part
             piece.grad = received  # stage 1's buffer held the sum: replace
 
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)
+        self.finish_queued = False  # (a backward that raised never ran its finish)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

@@ -281,6 +281,7 @@ class FSDP(nn.Module):
             param.register_post_accumulate_grad_hook(self.replicated_gradient_ready)
 
     def forward(self, *args, **kwargs):
+        self._finish_queued = False  # (a backward that raised never ran its finish)
         return self.module(*args, **kwargs)
 
     @property
@@ -294,7 +295,10 @@ class FSDP(nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Average the gradients of the parameters that are not sharded (the pieces' gradients
-        were reduce-scattered during backward). Runs at the end of backward."""
+        were reduce-scattered during backward). Runs at the end of backward; a second call
+        does nothing."""
+        if not self._finish_queued:  # nothing arrived since the last finish
+            return
         self._finish_queued = False
         for param in self.replicated:
             if param.grad is not None:
