@@ -111,9 +111,9 @@ def draw_step(ax, per_rank: list, collectives: tuple) -> tuple:
 def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_reduce",),
                         waiting_for: str | None = None):
     """One training step per strategy, {title: {"events": per-rank lists of (label, start_s,
-    end_s), "step_seconds": s}}: a compute lane and a lane of `collectives` per rank, on a common
-    time axis. `waiting_for` names, in the legend, what the hatched spans wait for (by default,
-    the collectives)."""
+    end_s), "step_seconds": s, or None to leave the time out of the title}}: a compute lane and a
+    lane of `collectives` per rank, on a common time axis. `waiting_for` names, in the legend,
+    what the hatched spans wait for (by default, the collectives)."""
     lanes = 2 * max(len(run["events"]) for run in runs.values())
     fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
                              figsize=(9, 0.42 * lanes * len(runs) + 1.3))
@@ -121,8 +121,9 @@ def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_re
         ticks, labels = draw_step(ax, run["events"], collectives)
         ax.set_yticks(ticks, labels, fontsize=8)
         ax.invert_yaxis()
-        ax.set_title(f"{title}: step {run['step_seconds'] * 1e3:.0f} ms ({what})", fontsize=10,
-                     loc="left")
+        timed = (f"step {run['step_seconds'] * 1e3:.0f} ms" if run.get("step_seconds") is not None
+                 else "one step")
+        ax.set_title(f"{title}: {timed} ({what})", fontsize=10, loc="left")
     handles = [Patch(color=LANE_COLORS[name], label=name) for name in LANE_COLORS]
     handles += [Patch(facecolor=GREY, alpha=0.6, hatch="///",
                       label=f"waiting for {waiting_for or ' / '.join(collectives)}")]

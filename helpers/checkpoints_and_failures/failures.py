@@ -33,8 +33,9 @@ state stays "scheduled" and its start and completion times stay empty: gloo repo
 On NCCL the records also carry when the watchdog saw each collective complete (and start, with
 TORCH_NCCL_ENABLE_TIMING=1). The watchdog is NCCL's alone, not run here: a thread that polls the
 GPU's work and, when a collective outlives its timeout, dumps the recorder (by default,
-TORCH_NCCL_DUMP_ON_TIMEOUT) and ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING's default, 3,
-without aborting the communicator; 1 aborts it first).
+TORCH_NCCL_DUMP_ON_TIMEOUT) and ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING: 3,
+ProcessGroupNCCL's own default, without aborting the communicators; 1 aborts them first, and is
+what torchrun's agent exports to its workers unless it is set).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def extra_collective_worker(rank, world_size, odd_rank, timeout_s):
 
 def skipped_worker(rank, world_size, steps, skipping_rank, skipped_step, timeout_s):
     """A training step's collectives, `steps` times: an all-gather of weights, a reduce-scatter
-    of gradients (as all-reduce and a slice: gloo has no reduce_scatter), an all-reduce of the
+    of gradients (written as an all-reduce and a slice), an all-reduce of the
     loss. At `skipped_step` the skipping rank leaves out its loss all-reduce (a rank that
     skipped logging, say): its next all-gather meets its peers' all-reduce, and the ranks wait
     until the group's timeout. Run with env=FLIGHT_RECORDER; returns this rank's dump."""
