@@ -339,10 +339,11 @@ def state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     "<layer>.flat_parameter" (FSDP, one per layer or unit). A whole tensor (a replica's weight)
     is a plain tensor, which DCP writes once. A piece is a DTensor sharded along dimension 0
     over the group (`flat_shard`): lesson 07 cuts a flat tensor of N elements into n pieces of
-    ceil(N / n), zero-padded, and torch.chunk, which DTensor's Shard(0) follows, cuts it the same
-    way, padding left out. So a checkpoint saved on 4 ranks loads on 2: DCP reads, for each rank,
-    the stored pieces that overlap its own. Every rank must call it. PyTorch's strategies give
-    theirs with torch.distributed.checkpoint.state_dict.get_state_dict."""
+    ceil(N / n), zero-padded, and DTensor's Shard(0) cuts it the same way, padding left out (as
+    torch.chunk does, with an empty piece for a rank left over). So a checkpoint saved on 4 ranks
+    loads on 2 or 3: DCP reads, for each rank, the stored pieces that overlap its own. Every rank
+    must call it. PyTorch's strategies give theirs with
+    torch.distributed.checkpoint.state_dict.get_state_dict."""
     names = {param: name for name, param in unwrapped(module).named_parameters()}
     flat = _flat_pieces(module, optimizer, names)  # a piece -> (its key, its numel)
     mesh = _group_mesh(module, optimizer) if flat else None
