@@ -387,13 +387,13 @@ def _set(namespace, key, value):
 
 
 class Peak:
-    """The most a measurement returned (`peak_at_hooks`), and how many times it was taken."""
+    """The most a measurement returned (`peak_at_hooks`)."""
 
     def __init__(self, measure):
-        self.measure, self.value, self.samples = measure, 0, 0
+        self.measure, self.value = measure, 0
 
     def sample(self, *_):
-        self.value, self.samples = max(self.value, self.measure()), self.samples + 1
+        self.value = max(self.value, self.measure())
 
 
 @contextlib.contextmanager

@@ -138,9 +138,9 @@ def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype, recompute)
                     units=_blocks(model) if unit == "block" else None)  # default: per layer
         return fsdp, fsdp.clip_grad_norm_
     if name == "fully_shard":
-        layouts.apply_fsdp(model, mesh or default_mesh(name), unit=unit or "block")
+        layouts.apply_fsdp(model, mesh_for(name, mesh), unit=unit or "block")
     else:  # dp_tp
-        layouts.apply_dp_tp(model, mesh or default_mesh(name), recompute=recompute)
+        layouts.apply_dp_tp(model, mesh_for(name, mesh), recompute=recompute)
     return model, clip_whole
 
 
@@ -160,6 +160,12 @@ def default_mesh(name: str):
         raise ValueError(f"dp_tp puts 2 ranks in each tensor-parallel group; {world_size} "
                          "ranks do not split in pairs")
     return init_device_mesh(device, (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def mesh_for(name: str, mesh=None):
+    """The mesh strategy `name` is laid out on: `mesh` if given, else default_mesh(name) for
+    those laid out on a DeviceMesh (MESHED), else None (the whole world's group)."""
+    return mesh if mesh is not None or name not in MESHED else default_mesh(name)
 
 
 def batch_shard(mesh=None) -> tuple[int, int]:
@@ -262,7 +268,7 @@ def step_times_worker(rank, world_size, contenders, model, batch, iterations, lo
     and its optimizer's step (held_bytes)}."""
     built, local = {}, {}
     for label, (name, options) in contenders.items():
-        mesh = options.get("mesh") or (default_mesh(name) if name in MESHED else None)
+        mesh = mesh_for(name, options.get("mesh"))
         built[label] = build(name, copy.deepcopy(model), **{**options, "mesh": mesh})
         local[label] = batch.shard(*batch_shard(mesh)).to(get_device())
     steps = {label: functools.partial(training_step, module, optimizer, LOSSES[loss],
@@ -294,7 +300,7 @@ def accumulation_worker(rank, world_size, strategy, model, batches, micro_batche
     ("gradient bytes", held_bytes)."""
     if sync not in SYNC:
         raise ValueError(f"unknown sync {sync!r}; choose one of {list(SYNC)}")
-    mesh = options.pop("mesh", None) or (default_mesh(strategy) if strategy in MESHED else None)
+    mesh = mesh_for(strategy, options.pop("mesh", None))
     module, optimizer = build(strategy, copy.deepcopy(model), mesh=mesh, **options)
     for batch in batches:
         local = batch.shard(*batch_shard(mesh)).to(get_device())

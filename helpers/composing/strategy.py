@@ -69,6 +69,7 @@ import math
 from dataclasses import dataclass
 
 from helpers.published import PUBLISHED_LINKS
+from helpers.strategies import SYNC  # when ZeRO-2 and 3 reduce-scatter
 from helpers.tensor_parallelism.cost import layer_bytes_sent
 from helpers.zero_and_fsdp.memory import bytes_per_rank
 
@@ -76,7 +77,6 @@ GPU_MEMORY = 80 * 2**30  # H100 SXM, bytes (ml-engineering, compute/accelerator/
 RECOMPUTATION = ("none", "selective", "full")
 RECOMPUTATION_LABELS = {"none": "no recomputation", "selective": "selective recomputation",
                         "full": "full recomputation"}
-SYNC = ("each_micro_batch", "last_micro_batch")  # when ZeRO-2 and 3 reduce-scatter
 INSIDE, BETWEEN = "NVLink 4 (H100, H200)", "InfiniBand NDR400, one port"  # lesson 04's labels
 GPUS_PER_MACHINE = 8
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.data_parallelism.ddp import at_end_of_backward, bucket_indices
+from helpers.data_parallelism.ddp import at_end_of_backward, broadcast_from_first, bucket_indices
 from helpers.instrument import span
 from helpers.zero_and_fsdp.sharded_optimizer import ShardedOptimizer
 
@@ -107,15 +107,13 @@ class BucketedShardedOptimizer(ShardedOptimizer):
         self.group, self.gradient_sharding = group, gradient_sharding
         self.max_grad_norm = max_grad_norm
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        source = dist.get_global_rank(group, 0) if group is not None else 0
         self.buckets, inner_groups = [], []
         for param_group in self.param_groups:
             buckets = self.make_buckets(param_group["params"], bucket_mb, rank, world_size)
-            for param in param_group["params"]:
-                if not param.requires_grad:  # never sharded: start from rank 0's
-                    dist.broadcast(param.data, src=source, group=group)
-            for bucket in buckets:  # every replica starts from rank 0's weights
-                dist.broadcast(bucket.weights, src=source, group=group)
+            # every replica starts from rank 0's weights: the frozen ones, and the buckets
+            broadcast_from_first([param for param in param_group["params"]
+                                  if not param.requires_grad]
+                                 + [bucket.weights for bucket in buckets], group)
             inner_groups.append({**self.hyperparameters(param_group),
                                  "params": [bucket.piece for bucket in buckets]})
             self.buckets += buckets

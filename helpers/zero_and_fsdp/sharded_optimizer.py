@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.data_parallelism.ddp import broadcast_from_first
 from helpers.zero_and_fsdp.sharding import gather, scatter_mean, shard_of
 
 
@@ -54,10 +55,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.group, self.gradient_sharding = group, gradient_sharding
         self.max_grad_norm = max_grad_norm
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        source = dist.get_global_rank(group, 0) if group is not None else 0
-        for param_group in self.param_groups:  # every replica starts from rank 0's weights
-            for param in param_group["params"]:
-                dist.broadcast(param.data, src=source, group=group)
+        broadcast_from_first([param for param_group in self.param_groups  # replicas start equal
+                              for param in param_group["params"]], group)
         self.pieces = {}  # parameter -> this rank's piece of it, which the inner optimizer updates
         inner_groups = []
         for param_group in self.param_groups:
