@@ -128,7 +128,7 @@ def extra_collective_worker(rank, world_size, odd_rank, timeout_s):
 
 def skipped_worker(rank, world_size, steps, skipping_rank, skipped_step, timeout_s):
     """A training step's collectives, `steps` times: an all-gather of weights, a reduce-scatter
-    of gradients (written as an all-reduce and a slice), an all-reduce of the
+    of gradients (here an all-reduce of them), an all-reduce of the
     loss. At `skipped_step` the skipping rank leaves out its loss all-reduce (a rank that
     skipped logging, say): its next all-gather meets its peers' all-reduce, and the ranks wait
     until the group's timeout. Run with env=FLIGHT_RECORDER; returns this rank's dump."""
