@@ -124,11 +124,14 @@ def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_re
         timed = (f"step {run['step_seconds'] * 1e3:.0f} ms" if run.get("step_seconds") is not None
                  else "one step")
         ax.set_title(f"{title}: {timed} ({what})", fontsize=10, loc="left")
-    handles = [Patch(color=LANE_COLORS[name], label=name) for name in LANE_COLORS]
-    handles += [Patch(facecolor=GREY, alpha=0.6, hatch="///",
-                      label=f"waiting for {waiting_for or ' / '.join(collectives)}")]
+    drawn = {event[0] for run in runs.values() for events in run["events"] for event in events}
+    handles = [Patch(color=LANE_COLORS[name], label=name) for name in LANE_COLORS
+               if name in drawn]  # a legend names only what is drawn
+    if drawn & set(WAITING):
+        handles.append(Patch(facecolor=GREY, alpha=0.6, hatch="///",
+                             label=f"waiting for {waiting_for or ' / '.join(collectives)}"))
     handles += [Patch(color=COLLECTIVE_COLORS[name][0], label=f"{name} (a bar per completion)")
-                for name in collectives]
+                for name in collectives if name in drawn]
     rows = 1 if len(handles) <= 5 else 2
     axes[0, 0].legend(handles=handles, fontsize=8, frameon=False,
                       ncols=-(-len(handles) // rows), loc="lower left",

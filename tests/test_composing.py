@@ -128,6 +128,15 @@ def test_strategy_counts_parameters_as_the_layers_hold_them():
     assert [model.ffn for model in strategy.MODELS.values()] == [14336, 28672]
 
 
+def kept_per_token(model, element):
+    """Bytes a Llama layer keeps per token, named one by one: the inputs of the two RMSNorms,
+    their outputs (the matmuls' input), q, k, v, attention's output, SwiGLU's four tensors of
+    width ffn; in float32 the log-sum-exp per head and each norm's 1/rms."""
+    kv = model.kv_heads * (model.dim // model.heads)
+    widths = [model.dim] * 2 + [model.dim] * 2 + [model.dim, kv, kv, model.dim] + [model.ffn] * 4
+    return sum(widths) * element + 4 * model.heads + 4 * 2
+
+
 def test_strategy_projects_the_formulas_of_lessons_07_to_09():
     model = strategy.MODELS["Llama 3 70B"]
     d, vocab = 8192, 128256
@@ -139,7 +148,8 @@ def test_strategy_projects_the_formulas_of_lessons_07_to_09():
     assert row["weights"] == pytest.approx(2 * psi) and row["gradients"] == pytest.approx(2 * psi)
     assert row["optimizer"] == pytest.approx(12 * psi / 4)
     sbh = 4096 * 1 * d
-    assert row["activations"] == pytest.approx(34 * sbh / 2 * 10 * 8)  # 8 micro-batches in flight
+    kept = kept_per_token(model, element=2) * 4096 / 2  # one layer, its s/t tokens
+    assert row["activations"] == pytest.approx(kept * 10 * 8)  # 8 micro-batches in flight
     micro_batches = 1024 / 4
     assert row["data parallel"] == pytest.approx(2 * 3 / 4 * psi * 2)  # once per step
     assert row["tensor parallel"] == pytest.approx(4 * 2 * (1 / 2) * sbh * 2 * 10 * micro_batches)
@@ -150,7 +160,11 @@ def test_strategy_projects_the_formulas_of_lessons_07_to_09():
     assert two_stages["pipeline"] == pytest.approx(sbh / 2 * 2 * 1024 / 16)  # one direction
     full = strategy.project(model, strategy.Layout(dp=4, tp=2, pp=8, zero=1),
                             recomputation="full")
-    assert full["activations"] == pytest.approx(2 * sbh * 10 * 8 + 34 * sbh / 2)
+    # each layer's input, s/t tokens of it (sequence parallelism), and one layer recomputed
+    assert full["activations"] == pytest.approx(2 * sbh / 2 * 10 * 8 + kept)
+    # the recomputed forward all-reduces again: six of s b h per layer, not four
+    assert full["tensor parallel"] == pytest.approx(row["tensor parallel"] * 6 / 4)
+    assert full["data parallel"] == row["data parallel"]
 
 
 def test_strategy_charges_sharded_gradients_and_weights_every_micro_batch():
@@ -174,18 +188,27 @@ def test_strategy_takes_no_recomputation_precision_and_when_gradients_sync():
     d, a, s = 8192, 64, 4096
     sbh, layout = s * d, strategy.Layout(dp=8, tp=8, pp=1, zero=3)
     none = strategy.project(model, layout, recomputation="none")
-    # sbh (34/t + 5as/(ht)) per layer, all 80 layers, one micro-batch in flight
-    assert none["activations"] == pytest.approx(sbh * (34 / 8 + 5 * a * s / (d * 8)) * 80)
+    # every layer's tensors, s/t tokens of each, all 80 layers, one micro-batch in flight
+    kept = kept_per_token(model, element=2) * s / 8
+    assert none["activations"] == pytest.approx(kept * 80)
+    # a flash kernel keeps nothing s x s: selective recomputation has nothing left to drop
+    assert strategy.project(model, layout)["activations"] == none["activations"]
+    math = strategy.project(model, layout, recomputation="none", attention="math")
+    assert math["activations"] == pytest.approx((kept + a * s * 2 * s / 8) * 80)  # the softmax
     psi = model.parameters() / 8  # tp 8
     float32 = strategy.project(model, layout, recomputation="full", precision="float32")
     assert float32["weights"] == pytest.approx(4 * psi / 8)  # sharded over dp 8
-    assert float32["activations"] == pytest.approx(2 * (2 * sbh * 80 + 34 * sbh / 8))
+    assert float32["activations"] == pytest.approx(
+        4 * sbh / 8 * 80 + kept_per_token(model, element=4) * s / 8)
     m, ring = 1024 / 8, 7 / 8 * psi
     assert float32["data parallel"] == pytest.approx(3 * m * ring * 4)
     each = strategy.project(model, layout, recomputation="full")
     last = strategy.project(model, layout, recomputation="full", sync="last_micro_batch")
     assert each["gradients"] == pytest.approx(2 * psi / 8)
     assert last["gradients"] == pytest.approx(2 * psi)  # whole, until the last micro-batch
+    in_float32 = strategy.project(model, layout, recomputation="full", sync="last_micro_batch",
+                                  reduce_bytes=4)
+    assert in_float32["gradients"] == pytest.approx(4 * psi)  # accumulated in reduce_dtype
     assert last["data parallel"] == pytest.approx(2 * m * ring * 2 + ring * 2)
     assert each["data parallel"] == pytest.approx(3 * m * ring * 2)
     zero_2 = strategy.Layout(dp=64, tp=1, pp=1, zero=2)
@@ -207,7 +230,7 @@ def test_strategy_says_what_is_short_when_nothing_fits():
 
 def test_strategy_plot_marks_what_does_not_fit():
     model = strategy.MODELS["Llama 3 70B"]
-    chosen = [strategy.Layout(64, 1, 1, 3), strategy.Layout(4, 2, 8, 1)]
+    chosen = [strategy.Layout(64, 1, 1, 3), strategy.Layout(8, 8, 1, 3)]
     fig = plots.plot_projection(model, 64, chosen)
     labels = [text.get_text() for text in fig.axes[0].texts]
     assert labels[0] == "does not fit" and labels[1].endswith("s on links")
@@ -297,3 +320,40 @@ def dp_tp_step_over_the_world(rank, world_size, w1, w2, x, y, tp):
 ])
 def test_composing_checkers_reject_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)
+
+
+def test_strategy_sizes_what_it_leaves_out():
+    model = strategy.MODELS["Llama 3 70B"]
+    layer = model.parameters() - 2 * 128256 * 8192 - 8192  # all 80 layers
+    parts = strategy.left_out(model, strategy.Layout(dp=8, tp=8, pp=1, zero=3), seq_len=8192,
+                              micro_batch=2, reduce_bytes=4)
+    logits = 8192 * 2 * 128256 / 8  # vocabulary-parallel over tp 8
+    assert parts == pytest.approx({
+        "logits": 2 * logits, "logits upcast to float32": 4 * logits,
+        "the logits' float32 gradient": 4 * logits,
+        "the current and the prefetched layer, gathered": 2 * 2 * layer / 80 / 8,
+        "one layer's whole gradients": 2 * layer / 80 / 8,
+        "the same in the reduce dtype (4 bytes)": 4 * layer / 80 / 8,
+        "the embedding and the head, gathered": 2 * 2 * 128256 * 8192 / 8})
+    # without ZeRO-3 nothing is gathered; a loss over whole logits holds the whole vocabulary
+    whole = strategy.left_out(model, strategy.Layout(dp=8, tp=8, pp=1, zero=1),
+                              loss_parallel=False)
+    assert whole == pytest.approx({"logits": 2 * 4096 * 128256,
+                                   "logits upcast to float32": 4 * 4096 * 128256,
+                                   "the logits' float32 gradient": 4 * 4096 * 128256})
+
+
+def test_strategy_fits_torchtitans_published_70b_run():
+    """benchmarks/llama3_h100_202412_torchtitan.md, Table 4: FSDP 32 x TP 8, local batch 16,
+    full activation checkpointing, 71.9 GiB on GPUs of 96 GB; sequences of 8192 tokens, the
+    recipe's at the commit the benchmark names (9dec370, train_configs/llama3_70b.toml)."""
+    model = strategy.MODELS["Llama 3 70B"]
+    row = strategy.project(model, strategy.Layout(dp=32, tp=8, pp=1, zero=3), seq_len=8192,
+                           micro_batch=16, global_batch=512, recomputation="full",
+                           gpu_memory=96e9)
+    assert row["micro_batches"] == 1 and row["fits"]
+    tokens = 8192 * 16 / 8  # this rank's share of the micro-batch
+    activations = 80 * tokens * 8192 * 2 + kept_per_token(model, 2) * tokens
+    assert row["activations"] == pytest.approx(activations)
+    assert row["memory"] == pytest.approx(16 * model.parameters() / 256 + activations)
+    assert row["memory"] < 71.9 * 2**30  # less than the measured peak: it leaves things out

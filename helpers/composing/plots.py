@@ -88,6 +88,8 @@ def plot_projection(model, gpus: int, chosen: list, recomputation: str = "select
         ax.text(max(left, GPU_MEMORY / gib) + 4, index, f"{row['seconds']:.2f} s on links"
                 if row["fits"]
                 else "does not fit", va="center", fontsize=8)
+    widest = max(max(row["memory"] for row in rows), GPU_MEMORY) / gib
+    ax.set_xlim(0, widest * 1.4)  # room for the labels right of the bars
     ax.axvline(GPU_MEMORY / gib, color=COLORS[3], linestyle="--")
     ax.set_yticks(range(len(chosen)), [str(layout) for layout in chosen], fontsize=8)
     ax.invert_yaxis()

@@ -10,17 +10,26 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    token embedding (Korthikanti et al. 2022, section 4.2.3: the first stage also
                    holds it), each cut over tp (Megatron-LM's vocabulary-parallel embedding),
                    sharded over dp from the ZeRO stage on
-    activations    Korthikanti et al. 2022, Table 2, per layer and micro-batch, with tensor and
-                   sequence parallelism: without recomputation s b h (34 / t + 5 a s / (h t))
-                   bytes (the 5as/h term is attention's s x s softmax output, 2 bytes, its dropout
-                   mask, 1 byte, and the dropout's output, 2 bytes);
-                   with selective recomputation 34 s b h / t; with full recomputation 2 s b h
-                   (the layer's input only) and, while one layer is recomputed in backward, its
-                   34 s b h / t once. For the L / pp layers of the stage, times the micro-batches
-                   in flight on the first stage under 1F1B (lesson 09: pp - r on rank r, so pp).
-                   Table 2 counts 2-byte activations and 1-byte dropout masks: in float32
-                   training (precision="float32") the projection doubles all of it, an upper
-                   bound
+    activations    counted as Korthikanti et al. 2022 count them (section 4, Table 2: the tensors
+                   each operation keeps for its backward, per layer and micro-batch), for the
+                   Llama layer that is named: no dropout, and an attention kernel that keeps
+                   nothing of size s x s (a flash kernel, or FlexAttention, torchtitan's default
+                   attention backend at b5bcd76, torchtitan/models/llama3/__init__.py,
+                   model_registry); RMSNorm, q and grouped k and v, SwiGLU's four tensors of width
+                   ffn (Model.kept_widths), in 16-bit elements, and float32 statistics. With
+                   tensor and sequence parallelism every one of them is s/t tokens (Megatron-LM's
+                   sequence parallelism). Without recomputation, and with selective recomputation
+                   (which recomputes attention's s x s core; a flash kernel keeps none), a layer
+                   keeps all of them; with attention="math" the softmax's output is kept too
+                   (heads x s per token). With full recomputation a layer keeps only its input,
+                   s/t tokens of it with sequence parallelism (torchtitan's plan reduce-scatters
+                   each block's output to a shard of the tokens, torchtitan@b5bcd76,
+                   torchtitan/models/llama3/sharding.py; Megatron-LM refuses
+                   distribute_saved_activations with sequence parallelism, the input being split
+                   already), and while one layer is recomputed in backward, that layer's tensors
+                   once. For the L / pp layers of the stage, times the micro-batches in flight on
+                   the first stage under 1F1B (lesson 09: pp - r on rank r, so pp). In float32
+                   training (precision="float32") every 16-bit tensor is 4 bytes
     data parallel  the gradients (2 bytes, or 4 in float32 or with reduce_bytes=4), on a ring:
                    ZeRO 0 and 1 accumulate whole gradients over the m micro-batches of a step and
                    send them once (an all-reduce, or a reduce-scatter and an all-gather of the
@@ -30,15 +39,17 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    weights once; ZeRO 3 also all-gathers the weights in every micro-batch's
                    forward and backward (3 m (dp - 1)/dp Psi' 2). sync="last_micro_batch" is
                    lesson 11's other choice for 2 and 3 (FSDP2's set_requires_gradient_sync):
-                   whole gradients held until the last micro-batch, one reduce-scatter per step
-                   (ZeRO 3 still gathers 2m times). ZeRO 2 and 3 only without pipeline stages:
+                   whole gradients held until the last micro-batch, in the reduce dtype (FSDP2
+                   accumulates them in reduce_dtype), one reduce-scatter per step (ZeRO 3 still
+                   gathers 2m times). ZeRO 2 and 3 only without pipeline stages:
                    DeepSpeed refuses them with its pipeline ("ZeRO-2 and ZeRO-3 are incompatible
                    with pipeline parallelism", microsoft/DeepSpeed@38327e0,
                    deepspeed/runtime/pipe/engine.py), and torch.distributed.pipelining keeps an
                    FSDP stage's weights and gradients whole between micro-batches
                    (torch/distributed/pipelining/stage.py)
     tensor         lesson 08's layer_bytes_sent (four all-reduces of s b h per layer) for each layer
-                   of the stage and each micro-batch
+                   of the stage and each micro-batch; under full recomputation the forward's two
+                   run again in backward, six in all
     pipeline       each micro-batch's activation forward and its gradient back, this rank's s / t
                    tokens of it (with sequence parallelism, as Megatron-LM sends them), 2 bytes
                    each; a stage with neighbours on both sides sends both, an end stage one (the
@@ -56,18 +67,17 @@ overlapped. It ranks the layouts; it is not a step time. Gradients are reduced i
 (Megatron Core's DistributedDataParallelConfig default, grad_reduce_in_fp32=False); Megatron-LM's
 training script with --bf16 reduces them in float32 unless given --grad-reduce-in-bf16, which
 doubles the data-parallel bytes.
-The activation count is Korthikanti et al.'s for a GPT block (a 4h GeLU MLP, LayerNorm, dropout,
-multi-head attention); Llama's SwiGLU MLP, grouped-query attention and RMSNorm differ from it, so
-for Llama it is an approximation.
-Left out: temporary buffers, the all-gathered weights of ZeRO-3, fragmentation, the embedding's
-and head's extra activations, and the wait of a pipeline's bubble.
+Left out, and sized by `left_out`: the logits, their float32 upcast and gradient, and ZeRO-3's
+gathered layers, whole gradients, embedding and head. Not sized: each operation's backward
+temporaries, the CUDA and NCCL context, the allocator's fragmentation, and the wait of a
+pipeline's bubble.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from helpers.llama import swiglu_hidden
 from helpers.published import PUBLISHED_LINKS
 from helpers.strategies import SYNC  # when ZeRO-2 and 3 reduce-scatter
 from helpers.tensor_parallelism.cost import layer_bytes_sent
@@ -77,18 +87,14 @@ GPU_MEMORY = 80 * 2**30  # H100 SXM, bytes (ml-engineering, compute/accelerator/
 RECOMPUTATION = ("none", "selective", "full")
 RECOMPUTATION_LABELS = {"none": "no recomputation", "selective": "selective recomputation",
                         "full": "full recomputation"}
+ATTENTION = ("flash", "math")
 INSIDE, BETWEEN = "NVLink 4 (H100, H200)", "InfiniBand NDR400, one port"  # lesson 04's labels
 GPUS_PER_MACHINE = 8
+FLOAT32 = 4  # bytes: attention's log-sum-exp and RMSNorm's statistic stay in float32
 
 
 def _link(label: str) -> float:
     return next(value for name, value, _ in PUBLISHED_LINKS if name == label)
-
-
-def swiglu_hidden(dim: int, multiple_of: int, multiplier: float) -> int:
-    """torchtitan's compute_ffn_hidden_dim, as its llama3 configs call it."""
-    hidden = int(multiplier * int(2 * 4 * dim / 3))
-    return multiple_of * math.ceil(hidden / multiple_of)
 
 
 @dataclass(frozen=True)
@@ -107,9 +113,12 @@ class Model:
         RMSNorm."""
         return 2 * self.embedding() + self.layers * self.layer() + self.dim
 
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.dim // self.heads
+
     def layer(self) -> int:
-        kv = self.kv_heads * self.dim // self.heads
-        return 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn + 2 * self.dim
+        return (2 * self.dim * self.dim + 2 * self.dim * self.kv_dim()
+                + 3 * self.dim * self.ffn + 2 * self.dim)
 
     def embedding(self) -> int:
         return self.vocab * self.dim
@@ -120,6 +129,28 @@ class Model:
         if pp == 1:
             return self.parameters() / tp
         return (self.layers / pp * self.layer() + self.embedding()) / tp
+
+    def kept_per_token(self, element: int = 2, attention: str = "flash",
+                       seq_len: int = 0) -> float:
+        """Bytes one layer keeps for backward per token, without recomputation: the tensors of
+        `kept_widths` in `element` bytes, and float32 statistics. With the "math" attention
+        kernel, also the softmax's output, heads x seq_len per token."""
+        if attention not in ATTENTION:
+            raise ValueError(f"attention is one of {ATTENTION}, not {attention!r}")
+        widths = sum(self.kept_widths().values())
+        statistics = FLOAT32 * (self.heads + 2)  # log-sum-exp per head; two norms' 1/rms
+        scores = self.heads * seq_len * element if attention == "math" else 0
+        return widths * element + statistics + scores
+
+    def kept_widths(self) -> dict:
+        """The elements per token of each 16-bit tensor a Llama layer keeps for backward with a
+        flash attention kernel and no dropout: what each operation's backward needs (a norm its
+        input, a matmul its input, silu its input, a product both factors, the kernel q, k, v and
+        its output); the residual additions keep nothing."""
+        d, kv, f = self.dim, self.kv_dim(), self.ffn
+        return {"the two norms' inputs": 2 * d, "the two norms' outputs (the matmuls' input)":
+                2 * d, "q": d, "k and v": 2 * kv, "attention's output": d,
+                "SwiGLU: w1's and w3's outputs, silu's output, their product": 4 * f}
 
 
 MODELS = {
@@ -146,13 +177,16 @@ class Layout:
 
 def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int = 1,
             global_batch: int = 1024, recomputation: str = "selective", precision: str = "mixed",
-            reduce_bytes: int | None = None, sync: str = "each_micro_batch") -> dict:
+            reduce_bytes: int | None = None, sync: str = "each_micro_batch",
+            attention: str = "flash", gpu_memory: float = GPU_MEMORY) -> dict:
     """Per GPU, in bytes: {"weights", "gradients", "optimizer", "activations", "memory", "fits",
-    "data parallel", "tensor parallel", "pipeline", "sent", "seconds"}; `global_batch` sequences
-    per step, cut into micro-batches of `micro_batch` on each data-parallel rank. `precision`:
-    "mixed" or "float32" (lesson 07's bytes per parameter); `reduce_bytes`: the gradients'
-    bytes on the wire (default: 2 in mixed precision, 4 in float32); `sync`: when ZeRO-2 and 3
-    reduce-scatter (SYNC). A projection (see the module docstring)."""
+    "data parallel", "tensor parallel", "pipeline", "sent", "seconds", "micro_batches"};
+    `global_batch` sequences of `seq_len` tokens per step, cut into micro-batches of
+    `micro_batch` sequences on each data-parallel rank. `precision`: "mixed" or "float32"
+    (lesson 07's bytes per parameter); `reduce_bytes`: the gradients' bytes on the wire (default:
+    2 in mixed precision, 4 in float32); `sync`: when ZeRO-2 and 3 reduce-scatter (SYNC);
+    `attention`: a "flash" kernel, or "math", which keeps the softmax. A projection (see the
+    module docstring)."""
     if recomputation not in RECOMPUTATION:
         raise ValueError(f"recomputation is one of {RECOMPUTATION}, not {recomputation!r}")
     if sync not in SYNC:
@@ -161,36 +195,61 @@ def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int 
     states = bytes_per_rank(shard, layout.dp, layout.zero, precision=precision)
     element = 2 if precision == "mixed" else 4  # a 16-bit or a float32 weight or activation
     deferred = sync == "last_micro_batch" and layout.zero >= 2
-    if deferred:  # whole gradients accumulate until the last micro-batch
-        states["gradients"] = bytes_per_rank(shard, layout.dp, 1, precision)["gradients"]
+    if deferred:  # whole gradients accumulate until the last micro-batch, in the reduce dtype
+        states["gradients"] = shard * (reduce_bytes or element)
     layers = model.layers / layout.pp
     micro_batches = global_batch / (layout.dp * micro_batch)
     in_flight = min(layout.pp, micro_batches)
-    sbh = seq_len * micro_batch * model.dim
-    selective = 34 * sbh / layout.tp * element / 2  # one layer, one micro-batch
+    tokens = seq_len * micro_batch / layout.tp  # this rank's, with sequence parallelism
+    kept = {kind: model.kept_per_token(element, kind, seq_len) * tokens for kind in ATTENTION}
     if recomputation == "none":
-        scores = 5 * model.heads * seq_len / model.dim
-        activations = (34 + scores) * sbh / layout.tp * element / 2 * layers * in_flight
-    elif recomputation == "selective":
-        activations = selective * layers * in_flight
-    else:
-        activations = 2 * sbh * element / 2 * layers * in_flight + selective
+        activations = kept[attention] * layers * in_flight
+    elif recomputation == "selective":  # attention's core recomputed: nothing s x s is kept
+        activations = kept["flash"] * layers * in_flight
+    else:  # each layer's input, s/t tokens of it, and one layer at a time while recomputed
+        activations = tokens * model.dim * element * layers * in_flight + kept[attention]
     ring = (layout.dp - 1) / layout.dp * shard  # elements one ring pass sends
     gradients, weights = ring * (reduce_bytes or element), ring * element
     reduce_scatters = 1 if deferred else micro_batches
     data = {0: 2 * gradients, 1: gradients + weights, 2: reduce_scatters * gradients + weights,
             3: 2 * micro_batches * weights + reduce_scatters * gradients}[layout.zero]
+    # four all-reduces per layer; full recomputation runs the forward's two again in backward
     tensor = layer_bytes_sent(seq_len, micro_batch, model.dim, layout.tp, element) * layers \
-        * micro_batches
+        * micro_batches * (6 / 4 if recomputation == "full" else 1)
     messages = 0 if layout.pp == 1 else (1 if layout.pp == 2 else 2)
-    pipeline = messages * sbh / layout.tp * element * micro_batches
+    pipeline = messages * tokens * model.dim * element * micro_batches
     memory = states["weights"] + states["gradients"] + states["optimizer"] + activations
     return {"weights": states["weights"], "gradients": states["gradients"],
             "optimizer": states["optimizer"], "activations": activations, "memory": memory,
-            "fits": memory <= GPU_MEMORY, "data parallel": data, "tensor parallel": tensor,
+            "fits": memory <= gpu_memory, "data parallel": data, "tensor parallel": tensor,
             "pipeline": pipeline, "sent": data + tensor + pipeline,
+            "micro_batches": micro_batches,
             "seconds": tensor / _link(INSIDE) + (data + pipeline) / _link(
                 INSIDE if layout.gpus <= GPUS_PER_MACHINE else BETWEEN)}
+
+
+def left_out(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int = 1,
+             precision: str = "mixed", reduce_bytes: int | None = None,
+             loss_parallel: bool = True) -> dict:
+    """What `project` leaves out, sized by formula (bytes per GPU; these are not all alive at
+    once): the output head's logits for one micro-batch (cut over tp when the loss is computed
+    vocabulary-parallel, torchtitan's default), their float32 upcast and its gradient; and under
+    ZeRO-3 the weights it gathers: the current layer and the one prefetched, one layer's whole
+    gradients (and their copy in the reduce dtype), the embedding and the head."""
+    element = 2 if precision == "mixed" else 4
+    reduce = reduce_bytes or element
+    vocab = model.vocab / (layout.tp if loss_parallel else 1)
+    logits = seq_len * micro_batch * vocab
+    parts = {"logits": logits * element, "logits upcast to float32": logits * FLOAT32,
+             "the logits' float32 gradient": logits * FLOAT32}
+    if layout.zero == 3:
+        layer = model.layer() / layout.tp
+        parts["the current and the prefetched layer, gathered"] = 2 * layer * element
+        parts["one layer's whole gradients"] = layer * element
+        if reduce != element:
+            parts[f"the same in the reduce dtype ({reduce} bytes)"] = layer * reduce
+        parts["the embedding and the head, gathered"] = 2 * model.embedding() / layout.tp * element
+    return parts
 
 
 def layouts(model: Model, gpus: int, max_tp: int = 8) -> list:
