@@ -20,6 +20,10 @@
                                while active, records the tensors autograd saves for backward,
                                each of the kind `classify` names
     saved_bytes(saved)         their bytes, each storage once; saved_bytes_by_kind, by kind
+    created_storages()         while active, records (weakly) the storage of every tensor an
+                               operation creates; alive_bytes(created, leave_out): the bytes of
+                               those still alive, whoever holds them (autograd's saved tensors,
+                               selective checkpointing's cache)
 
 Rank-side: imports neither matplotlib nor ipywidgets. The exercise rules (helpers.rules) are
 predicates over the same records.
@@ -33,6 +37,7 @@ import inspect
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -40,6 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from helpers.cost_model import bus_bytes
 
@@ -454,3 +462,41 @@ def saved_bytes_by_kind(saved: list) -> dict:
     for kind, size in kinds.values():
         totals[kind] += size
     return dict(totals)
+
+
+class _CreatedStorages(TorchDispatchMode):
+    """Below autograd: every operation's output tensors, a weak reference to each storage."""
+
+    def __init__(self, created: list):
+        super().__init__()
+        self.created = created
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        out = op(*args, **(kwargs or {}))
+        for value in tree_leaves(out):
+            if isinstance(value, DTensor):
+                value = value.to_local()  # (a view of the local tensor: the same storage)
+            if isinstance(value, torch.Tensor):
+                self.created.append(weakref.ref(value.untyped_storage()))
+        return out
+
+
+@contextlib.contextmanager
+def created_storages():
+    """While active, records a weak reference to the storage of every tensor an operation
+    creates; yields the list (read it with `alive_bytes`)."""
+    created = []
+    with _CreatedStorages(created):
+        yield created
+
+
+def alive_bytes(created: list, leave_out=()) -> int:
+    """The bytes of the distinct storages in a `created_storages` record that are still alive,
+    less those of the tensors in `leave_out` (parameters, the output one holds)."""
+    left_out = {tensor.untyped_storage().data_ptr() for tensor in leave_out}
+    alive = {}
+    for reference in created:
+        storage = reference()
+        if storage is not None and storage.data_ptr() not in left_out:
+            alive[storage.data_ptr()] = storage.nbytes()
+    return sum(alive.values())

@@ -12,22 +12,38 @@ model in place. Lessons 07, 10, 11 and 12 call them, and show them where they fi
   TinyLM, with lesson 08's plan (tensor_parallelism.megatron.torch_plan).
 - `apply_dp_tp(model, mesh, recompute="none")`: both on a ("dp", "tp") mesh: tensor parallelism
   over mesh["tp"], then activation checkpointing, then FSDP2 over mesh["dp"] (torchtitan's order).
-- `apply_ac(model, mode)`: activation checkpointing of every block, "none", "selective" (the
-  attention core recomputed in backward) or "full" (the whole block), with torch.utils.checkpoint
-  (`recompute_in_backward`). Lesson 11 teaches it.
+- `apply_ac(model, mode, every=1)`: activation checkpointing of every block (or every `every`-th),
+  "none", "selective" (the attention core recomputed in backward), "full" (the whole block), with
+  torch.utils.checkpoint (`recompute_in_backward`), or "op": the whole block under PyTorch's
+  selective-checkpointing API with torchtitan's op-level policy (`keep_products`). Lesson 11
+  teaches them.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 UNITS = ("block", "layer")
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "full")  # Korthikanti et al.'s three; apply_ac also takes "op"
+_aten, _functional = torch.ops.aten, torch.ops._c10d_functional
+PRODUCTS = (_aten.mm.default, _aten.addmm.default)  # a Linear without and with a bias
+KEPT_BY_OP_POLICY = (  # besides every other product: attention kernels, collectives' outputs
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _functional.reduce_scatter_tensor.default, _functional.all_reduce.default)
 
 
 def apply_fsdp(model: nn.Module, mesh, *, unit: str = "block", **options) -> nn.Module:
@@ -57,23 +73,51 @@ def apply_dp_tp(model: nn.Module, mesh, *, recompute: str = "none") -> nn.Module
     return apply_fsdp(model, mesh["dp"])
 
 
-def recompute_in_backward(module: nn.Module, method: str = "forward") -> None:
+def recompute_in_backward(module: nn.Module, method: str = "forward", **options) -> None:
     """From now on, `module.method` runs under torch.utils.checkpoint: autograd keeps only its
-    inputs, and backward runs it again to get what it needs."""
+    inputs, and backward runs it again to get what it needs. `options` go to checkpoint."""
     original = getattr(type(module), method)
-    setattr(module, method, functools.partial(checkpoint, original, module, use_reentrant=False))
+    setattr(module, method, functools.partial(checkpoint, original, module, use_reentrant=False,
+                                              **options))
 
 
-def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
-    """Checkpoint every block of `model` (a TinyLM, or one Block): "full" recomputes the whole
-    block from its input, "selective" only its attention core, "none" nothing. Returns model."""
-    if mode not in AC_MODES:
-        raise ValueError(f"mode must be one of {AC_MODES}, got {mode!r}")
-    for block in getattr(model, "blocks", [model]):
+def keep_products():
+    """A policy for torch.utils.checkpoint's selective checkpointing, torchtitan's op-level one
+    (pytorch/torchtitan@9dec370, torchtitan/parallelisms/parallelize_llama.py, `_save_list`
+    and `_custom_policy`): keep the output of every other matrix product (the first, the third,
+    ...; counted apart in forward and in recomputation), of the attention kernels and of the
+    collectives that end a tensor-parallel region; recompute everything else. A new one for each
+    forward: it counts."""
+    counted = collections.Counter()
+
+    def policy(context, op, *args, **kwargs):
+        if op in PRODUCTS:
+            counted[context.is_recompute] += 1
+            keep = counted[context.is_recompute] % 2 == 1
+        else:
+            keep = op in KEPT_BY_OP_POLICY
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_ac(model: nn.Module, mode: str = "full", *, every: int = 1) -> nn.Module:
+    """Checkpoint the blocks of `model` (a TinyLM, or one Block): "full" recomputes the whole
+    block from its input, "selective" only its attention core, "op" what `keep_products` does
+    not keep, "none" nothing. `every`: only blocks 0, k, 2k, ... (k = every), the others keep
+    everything. Returns model."""
+    if mode not in AC_MODES + ("op",):
+        raise ValueError(f"mode must be one of {AC_MODES + ('op',)}, got {mode!r}")
+    for index, block in enumerate(getattr(model, "blocks", [model])):
+        if (index + 1) % every:
+            continue
         if mode == "full":
             recompute_in_backward(block)
         elif mode == "selective":
             recompute_in_backward(block.attention, "core")
+        elif mode == "op":
+            recompute_in_backward(block, context_fn=lambda: create_selective_checkpoint_contexts(
+                keep_products()))
     return model
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import math
 import warnings
 
@@ -200,8 +201,16 @@ def full_parameters(module: nn.Module) -> dict:
     call it: the sharded strategies gather."""
     if hasattr(module, "gather_full_params"):
         return {name: value.cpu() for name, value in module.gather_full_params().items()}
-    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-            .clone().cpu() for name, param in unwrapped(module).named_parameters()}
+    # A (dp, tp) parameter is _StridedShard over dp and Shard over tp; gathering it whole takes
+    # two all-gathers, which DTensor's redistribute logs a warning about: here it is a check
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
+    try:
+        return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+                .clone().cpu() for name, param in unwrapped(module).named_parameters()}
+    finally:
+        redistribute.setLevel(level)
 
 
 def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -81,6 +81,96 @@ def test_the_flops_recomputation_adds_equal_the_formula(early_stop, layers, dim,
         assert counted["full"]["total"] - counted["none"]["total"] == blocks
 
 
+@pytest.mark.parametrize("s, b, h, a", SHAPES)
+@pytest.mark.parametrize("kernel", list(checkpointing.KERNELS))
+def test_what_a_forward_leaves_alive_equals_the_formula_for_the_op_policy_too(s, b, h, a, kernel):
+    """The storages alive after forward equal the saved-tensor hooks' count wherever those see
+    everything, and the op policy's kept outputs, which sit in the selective-checkpointing cache:
+    the input, q and v (h wide), up's output (4h), and the flash kernel's output and
+    log-sum-exp, all float32."""
+    block = reference.make_block(dim=h, heads=a, seed=0)
+    x = reference.seeded_randn(1, b, s, h).requires_grad_()
+    for mode in checkpointing.MODES:
+        assert checkpointing.kept_alive(block, x, mode, attention=kernel) == \
+            checkpointing.kept_bytes(block, x, mode, kernel), mode
+    sbh = s * b * h
+    flash = sbh + b * a * s if kernel == "flash" else 0
+    assert checkpointing.kept_alive(block, x, "op", attention=kernel) == \
+        4 * (sbh + 2 * sbh + 4 * sbh + flash)
+    assert checkpointing.kept_bytes(block, x, "op", kernel) == 4 * sbh  # the hooks: the input
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_the_op_policy_and_every_kth_block_recompute_what_their_formulas_say(early_stop):
+    s, b, h, layers = 16, 4, 32, 4
+    model = reference.make_lm(dim=h, layers=layers, max_seq_len=s, seed=0)
+    batch = reference.lm_data(seed=1, batch_size=b, seq_len=s)[0]
+    base = checkpointing.step_flops(model, batch, "none", early_stop)["total"]
+    op = checkpointing.step_flops(model, batch, "op", early_stop)["total"] - base
+    # k and out (h x h each), the math kernel's q k^T and P v, and down (4h x h) but for early stop
+    assert op == layers * (2 * 2 * b * s * h * h + 2 * 2 * b * s * s * h
+                           + (0 if early_stop else 2 * b * s * 4 * h * h))
+    for every in (2, 4):
+        added = checkpointing.step_flops(model, batch, "full", early_stop, every)["total"] - base
+        assert added == layers // every * checkpointing.recomputed_flops(s, b, h, "full",
+                                                                         early_stop)
+
+
+def test_every_kth_block_keeps_what_its_blocks_keep():
+    s, b, h, a, layers = 16, 4, 32, 4, 4
+    model = reference.make_lm(dim=h, heads=a, layers=layers, max_seq_len=s, seed=0)
+    batch = reference.lm_data(seed=1, batch_size=b, seq_len=s)[0]
+    none = checkpointing.kept_alive(model, batch, "none")
+    saved_per_block = (checkpointing.kept_formula(s, b, h, a, "none")
+                       - checkpointing.kept_formula(s, b, h, a, "full"))
+    for every in (1, 2, 4):
+        assert checkpointing.kept_alive(model, batch, "full", every=every) == \
+            none - layers // every * saved_per_block
+
+
+@pytest.mark.numerical
+def test_recomputation_under_fsdp2_and_tensor_parallelism():
+    """dp x tp = 2 x 2, float64: every setting equals one process; FSDP2 gathers the same in each
+    (recomputation happens with the block's weights already gathered for backward); tensor
+    parallelism's forward all-reduces are repeated by full recomputation (one per block with
+    early stop, both without) and by nothing else; the bytes kept follow the formula."""
+    model, batches = reference.in_float64(reference.make_lm(seed=0),
+                                          reference.lm_data(seed=1, batch_size=8, steps=2))
+    alone = reference.train(model, batches, reference.lm_loss, optimizer="sgd").parameters
+    blocks, kept = 2, {}
+    repeated = {"none": 0, "selective": 0, "full": blocks, "full, no early stop": 2 * blocks,
+                "op": 0}
+    for setting, extra in repeated.items():
+        out = run(checkpointing.composed_worker, 4, args=(model, batches, setting),
+                  show_output=False)
+        for result in out:
+            for name, param in alone.items():  # float64: 2 steps of SGD, sums of 4 shards
+                torch.testing.assert_close(result["parameters"][name], param, rtol=1e-12,
+                                           atol=1e-12, msg=labelled(f"{setting}: {name}"))
+        calls = out[0]["calls"]
+        assert (calls["all-gather", "forward"], calls["all-gather", "step"]) == \
+            (1 + blocks, 1 + 2 * blocks), setting  # the root once; each block twice
+        assert calls["reduce-scatter", "step"] == 1 + blocks, setting
+        # two per block in forward; in backward, q's, k's, v's and up's input gradients
+        assert (calls["all-reduce", "forward"], calls["all-reduce", "step"]) == \
+            (2 * blocks, 2 * blocks + 4 * blocks + extra), setting
+        kept[setting] = {result["kept"] for result in out}
+        assert len(kept[setting]) == 1, setting  # every rank the same
+    sbh, lse = 4 * 16 * 32, 4 * 4 * 16 / 2  # this rank's 4 sequences of 16; a = 4 over t = 2
+    per_block = {"none": 4 * sbh + 12 * sbh / 2 + 2 * 2 * 4 * 16 + lse,  # lesson 08's count
+                 "full": sbh, "op": sbh + 7 * sbh / 2 + 2 * sbh + lse}
+    per_block["selective"] = per_block["none"] - lse
+    per_block["full, no early stop"] = per_block["full"]
+    (none,) = kept["none"]
+    for setting, elements in per_block.items():
+        (bytes_kept,) = kept[setting]
+        assert none - bytes_kept == 8 * blocks * (per_block["none"] - elements), setting
+        assert 8 * blocks * (per_block["none"] - elements) == blocks * (
+            checkpointing.kept_under_tensor_parallelism(16, 4, 32, 4, 2, "none", 8)
+            - checkpointing.kept_under_tensor_parallelism(
+                16, 4, 32, 4, 2, checkpointing.COMPOSED[setting][0], 8)), setting
+
+
 def test_step_times_are_measured_for_every_mode():
     medians = run(checkpointing.step_times_worker, 1, show_output=False, kwargs=dict(
         model=reference.make_lm(seed=0), batch=reference.lm_data(seed=1, batch_size=4)[0],

@@ -112,3 +112,22 @@ def plot_accumulation(sent: dict, formula: dict, held: dict, parameter_bytes: in
     right.set_title(f"held during accumulation (m = {counts[-1]})", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def plot_tradeoff(kept: dict, added: dict, title: str):
+    """Each checkpointing setting {label: bytes kept} against {label: FLOPs its recomputation
+    adds}, both measured: a point per setting, labelled."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for index, label in enumerate(kept):
+        ax.scatter(added[label] / 1e6, kept[label] / 1e3, s=60, color=COLORS[index % len(COLORS)],
+                   zorder=3)
+        ax.annotate(label, (added[label] / 1e6, kept[label] / 1e3), textcoords="offset points",
+                    xytext=(8, 5 if index % 2 == 0 else -14), fontsize=8)  # neighbours apart
+    ax.set_xlabel("FLOPs recomputation adds to a step (millions, FlopCounterMode)")
+    ax.set_ylabel("bytes kept for backward (thousands)")
+    ax.set_xlim(-0.1 * max(added.values()) / 1e6, 1.45 * max(added.values()) / 1e6)
+    ax.set_ylim(0, 1.15 * max(kept.values()) / 1e3)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
