@@ -17,15 +17,23 @@ import functools
 import importlib
 import inspect
 import math
+import os
 import shutil
 import tempfile
+import traceback
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from helpers import rules as rules_module
 from helpers.launcher import run
-from helpers.launcher.report import WorkerError, WorkerTimeout, is_consequence
+from helpers.launcher.report import (
+    WorkerError,
+    WorkerTimeout,
+    format_traceback,
+    is_consequence,
+    stable_message,
+)
 from helpers.rules import CallRecorder, RuleBroken
 
 
@@ -132,17 +140,19 @@ def check(name: str, function, timeout: float | None = None) -> CheckResult:
 def _check_case(exercise, function, case):
     if not exercise.distributed:
         given = exercise.inputs(*case) if exercise.inputs else case
+        where = (f"the case {_labelled(exercise.expected, given)}" if exercise.harness
+                 else f"the input {_labelled(function, given)}")
         try:
             got = exercise.harness(function, *given) if exercise.harness else function(*given)
         except NotImplementedError:
             return _not_started(exercise)
         except Exception as error:  # noqa: BLE001 - the student's code may raise anything
-            return [f"Your function raised {type(error).__name__}: {error}"]
+            said = f": {error}" if str(error) else " (with no message)"
+            return [f"For {where}, your function raised {type(error).__name__}{said}",
+                    *_learners_traceback(error, exercise)]
         problem = _compare(got, exercise.expected(*case), exercise.names)
         if not problem:
             return None
-        where = (f"the case {_labelled(exercise.expected, given)}" if exercise.harness
-                 else f"the input {_labelled(function, given)}")
         return [f"For {where}: {problem}", *([f"Hint: {exercise.hint}"] if exercise.hint else [])]
     world_size, args = case
     log_dir = tempfile.mkdtemp(prefix="helpers-check-")
@@ -158,6 +168,23 @@ def _check_case(exercise, function, case):
                 f"{name}={value!r}" for name, value in zip(names, args)
                 if not isinstance(value, torch.Tensor)) + "."]
     return problem
+
+
+def _learners_traceback(error, exercise) -> list:
+    """The traceback of an exception raised in a plain function, from the learner's own code on
+    (the engine's and the harness's frames left out, torch's folded as the launcher folds them);
+    empty if the learner's code is not in it (the harness itself raised)."""
+    frames = [(frame.filename, frame.lineno, frame.name)
+              for frame in traceback.extract_tb(error.__traceback__)]
+    own = {os.path.abspath(__file__)}
+    if exercise.harness is not None:
+        own.add(os.path.abspath(inspect.getsourcefile(exercise.harness)))
+    while frames and os.path.abspath(frames[0][0]) in own:
+        frames.pop(0)
+    if not frames:
+        return []
+    text = format_traceback(frames, type(error).__name__, stable_message(str(error)), rank=None)
+    return ["Traceback (most recent call last):", *text.splitlines()[1:]]
 
 
 def _check_ranks(exercise, function, world_size, args, log_dir):
@@ -269,7 +296,7 @@ def _compare(got, expected, names=()) -> str | None:
     # sums in another order than the solution's, or from a fit on other points: 1e-4 relative is
     # hundreds of float32 epsilons (2**-23), while a wrong formula misses by its own size.
     if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
-        return f"expected {expected:.6g}, got {got!r}"
+        return f"expected {expected:.6g}, got {got:.6g}"  # the same precision, side by side
     return None
 
 

@@ -16,12 +16,13 @@ TIMEOUT = 3
 
 
 def expect_rejection(name, mistake, says):
-    """`check(name, mistake)` fails, and its message contains `says`."""
+    """`check(name, mistake)` fails, and its message contains `says`. Returns the message."""
     result = _check(name, mistake)
     text = repr(result)
     assert not result.passed, text
     assert text.startswith(f"[NOT YET] {name}\n"), text
     assert says in text, text
+    return text
 
 
 def expect_acceptance(name, answer):

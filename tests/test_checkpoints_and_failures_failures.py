@@ -95,3 +95,24 @@ def last_entry_only(dumps):
 @pytest.mark.parametrize("mistake", [positional, last_entry_only])
 def test_fell_out_of_step_checker_rejects_a_typical_mistake(mistake):
     expect_rejection("fell_out_of_step", mistake, "expected")
+
+
+def newest_entries_only(dumps):
+    """Looks for a rank whose newest entry differs, and assumes there is one: `next` raises
+    StopIteration where every rank's newest entry is the same collective."""
+    newest = [dump["entries"][-1]["profiling_name"] for dump in dumps]
+    return next(rank for rank, call in enumerate(newest) if newest.count(call) == 1)
+
+
+def test_fell_out_of_step_checker_shows_where_the_learners_code_raised_and_on_which_case():
+    text = expect_rejection("fell_out_of_step", newest_entries_only,
+                            "For the case case='skipped a loss all-reduce', your function "
+                            "raised StopIteration (with no message)")
+    lines = text.splitlines()
+    # the traceback starts at the learner's function (the checker's own frames left out) and
+    # shows its line
+    start = lines.index("Traceback (most recent call last):")
+    assert lines[start + 1].endswith(", in newest_entries_only")
+    assert lines[start + 2].strip() == ("return next(rank for rank, call in enumerate(newest) "
+                                        "if newest.count(call) == 1)")
+    assert "exercises.py" not in text

@@ -9,6 +9,7 @@ same kernels, float64 against one process): the file is not marked numerical."""
 import dataclasses
 import functools
 import os
+import re
 import tempfile
 
 import pytest
@@ -152,7 +153,11 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}", checkpoints=True):
                                      resumable_with(rng_key="rng")])
 def test_resumable_checker_rejects_a_typical_mistake(mistake):
     # each fails at the first kill: two launches
-    expect_rejection("resumable", mistake, "their losses, by step")
+    text = expect_rejection("resumable", mistake, "their losses, by step")
+    # the expected loss and the learner's, side by side at the same precision (6 digits)
+    expected, got = re.search(r"expected (\S+), got (\S+)$", text.splitlines()[1]).groups()
+    assert all(number == f"{float(number):.6g}" for number in (expected, got)), text
+    assert expected != got
 
 
 def test_resumable_checker_rejects_a_loop_that_starts_over():

@@ -91,15 +91,18 @@ def _uninterrupted(kill_after):
 
 EXERCISES["resumable"] = Exercise(
     "resumable(rank, world_size, job, directory) trains `job` (a WarmupJob: the lesson's "
-    "Experiment with a warm-up scheduler) under FSDP for job.steps steps, rank r drawing its "
-    "noise from torch's global RNG seeded with job.seed + r and its batches from "
-    "job.sampler(rank, world_size), as in the lesson's loop, and returns a tuple (losses, "
-    "state): this run's losses, {step: loss averaged over the ranks}, and "
-    "sharded.full_state(model, optimizer). It saves a checkpoint to `directory` after every "
-    "job.save_every-th step. The checker kills rank 1 while it loads a batch and starts the "
-    "function again, in new processes, on the same directory: that run must start after the "
-    "newest checkpoint and end exactly as a run that was never interrupted, with the same loss "
-    "at every step it trains and the same weights at the end",
+    "Experiment with a warm-up scheduler, job.scheduler(optimizer)) under FSDP for job.steps "
+    "steps, rank r drawing its noise from torch's global RNG seeded with job.seed + r (seed "
+    "first, then load a checkpoint, whose RNG state replaces the seeded one) and its batches "
+    "from job.batch(sampler, epoch, offset), sampler = job.sampler(rank, world_size), moving "
+    "(epoch, offset) on after each step with job.steps_per_epoch(world_size) batches an epoch, "
+    "as in the lesson's loop. It returns a tuple (losses, state): this run's losses, {step: "
+    "loss averaged over the ranks} with the step an int counted from 1 and the loss a Python "
+    "float, and sharded.full_state(model, optimizer). It saves a checkpoint to `directory` "
+    "after every job.save_every-th step. The checker kills rank 1 while it loads a batch and "
+    "starts the function again, in new processes, on the same directory: that run must start "
+    "after the newest checkpoint and end exactly as a run that was never interrupted, with the "
+    "same loss at every step it trains and the same weights at the end",
     KILL_CASES,
     _uninterrupted,
     distributed=False,
