@@ -103,3 +103,20 @@ def test_a_4_rank_fsdp_checkpoint_loads_into_another_layout(checkpoint, layout, 
                           {f"__{r}_0.distcp" for r in range(4 // ranks * rank,
                                                             4 // ranks * (rank + 1))})
         assert files == expected_files
+
+
+# --- interoperability ---------------------------------------------------------------------------
+
+def test_dcp_to_torch_save_makes_one_file_that_loads_into_a_plain_model(checkpoint, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    directory, out = checkpoint
+    path = tmp_path / "consolidated.pt"
+    dcp_to_torch_save(directory, path)
+    state = torch.load(path, weights_only=True)
+    plain = model_and_batches()[0]
+    plain.load_state_dict(state["model"])  # strict: every name, every shape
+    saved = out[0]["state"]
+    assert_same_state({"model": dict(plain.state_dict()),
+                       "optimizer": {name: state["optimizer"]["state"][name]
+                                     for name in saved["optimizer"]}}, saved)

@@ -3,7 +3,9 @@
 sharded: a full state dict gathered to rank 0 beside torch.distributed.checkpoint (DCP), the
 bytes each rank writes and reads, the metadata's map of pieces, and loads into another world size
 and layout (FSDP on 2 ranks, DP × TP, one process). resume: a training loop that resumes exactly
-from its newest checkpoint (model, optimizer, sampler position, RNG states), and async_save.
+from its newest checkpoint (model, optimizer, sampler position, RNG states), keep_last, and
+async_save. resize: resuming on another number of ranks, the data position one count of samples
+consumed. interval: how often to save (Young's formula) and the time lost.
 elastic: the same loop under torchrun --max-restarts, a rank killed and the job restarted.
 failures: what peers see when a rank dies or freezes, and a rank out of step found with
 TORCH_DISTRIBUTED_DEBUG=DETAIL, monitored_barrier and the flight recorder. plots: drawn in the

@@ -1,4 +1,5 @@
-"""Lesson 12's pictures: bytes per rank, a checkpoint's pieces and who reads them, a save in the
+"""Lesson 12's pictures: bytes per rank, a checkpoint's pieces and who reads them, a run resumed
+on another number of ranks, the time lost against the interval between saves, a save in the
 background, a job that survives a killed rank, and the ranks' flight records side by side."""
 
 from __future__ import annotations
@@ -98,6 +99,53 @@ def plot_save_timelines(runs: dict, rank: int = 0):
     ax.legend(handles, ["training step", "save (blocking) / staging", "writing in background"],
               fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.45),
               ncol=3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_resized_losses(runs: dict, reference: dict):
+    """The loss of each step, {label: {step: loss}} for each run (a colour each), over the one
+    process reference {step: loss} (a grey line), and a dotted line where the runs change."""
+    fig, ax = plt.subplots(figsize=(6.4, 2.8))
+    steps = sorted(reference)
+    ax.plot(steps, [reference[step] for step in steps], color=GREY, linewidth=3, alpha=0.5,
+            label="one process, the whole global batch")
+    for index, (label, losses) in enumerate(runs.items()):
+        ax.plot(sorted(losses), [losses[step] for step in sorted(losses)], "o",
+                color=COLORS[index], label=label)
+        if index:
+            ax.axvline(min(losses) - 0.5, color=GREY, linestyle=":", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss of the global batch")
+    ax.set_xticks(steps)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_lost_time(curves: dict, mtbf_s: float):
+    """From a formula, not a run: the fraction of a job's time lost to saves and redone work
+    against the interval between saves, lost(τ) = δ/τ + τ/2M, for each {label: δ in seconds},
+    from τ = 2δ (or 1 s) to τ = M, with Young's interval √(2δM) marked."""
+    import numpy as np
+
+    from helpers.checkpoints_and_failures.interval import lost_fraction, young_interval
+
+    fig, ax = plt.subplots(figsize=(6.4, 3))
+    for index, (label, save_s) in enumerate(curves.items()):
+        # from a save every 2δ (half the time saving; shorter is meaningless) to one every M
+        intervals = np.logspace(np.log10(max(2 * save_s, 1.0)), np.log10(mtbf_s), 400)
+        best = young_interval(save_s, mtbf_s)
+        ax.plot(intervals, 100 * lost_fraction(intervals, save_s, mtbf_s), color=COLORS[index],
+                label=f"{label}: τ = √(2δM) = {best:,.0f} s")
+        ax.plot([best], [100 * lost_fraction(best, save_s, mtbf_s)], "o", color=COLORS[index])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds between saves, τ")
+    ax.set_ylabel("% of time lost")
+    ax.set_title(f"from a formula: lost = δ/τ + τ/2M, M = {mtbf_s / 3600:.1f} h (Llama 3)",
+                 fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
 

@@ -21,6 +21,7 @@ a timeline of both.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +126,25 @@ def latest_checkpoint(directory) -> tuple:
                    if name.startswith("step-")
                    and os.path.exists(os.path.join(directory, name, ".metadata")))
     return (checkpoint_path(directory, steps[-1]), steps[-1]) if steps else (None, 0)
+
+
+def keep_last(directory, k: int) -> list:
+    """Keep the k newest complete checkpoints in `directory` (complete: with .metadata, which DCP
+    writes last) and remove every other step directory older than the newest complete one, cut
+    off ones included. A directory newer than that is left alone: it may be a save still being
+    written. Call it on one rank, after a save has returned on every rank. Returns the steps
+    removed."""
+    if k < 1:
+        raise ValueError("keep at least the newest checkpoint")
+    steps = sorted(int(name.removeprefix("step-")) for name in os.listdir(directory)
+                   if name.startswith("step-"))
+    complete = [step for step in steps
+                if os.path.exists(os.path.join(checkpoint_path(directory, step), ".metadata"))]
+    kept = complete[-k:]
+    removed = [step for step in steps if complete and step < complete[-1] and step not in kept]
+    for step in removed:
+        shutil.rmtree(checkpoint_path(directory, step))
+    return removed
 
 
 # --- the loop -----------------------------------------------------------------------------------
