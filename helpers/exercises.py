@@ -48,6 +48,8 @@ class Exercise:
     rules: tuple = ()  # helpers.rules.Rule: what the task forbids or requires, checked in the ranks
     names: tuple = ()  # for a tuple result, what each element is: ("the mean", "the variance")
     hint: str = ""  # shown under a wrong value: a question that points at the usual mistake
+    hint_for: callable = None  # hint_for(got, expected, world_size, *args): a hint for this
+    # wrong value in particular (a known mistake recognised), or None for `hint`
     harness: callable = None  # plain functions: harness(function, *inputs) calls the learner's
     # function and returns what is compared with expected (values measured around the call)
     lesson: str = ""  # the lesson's package, e.g. "helpers.collectives" (filled in by `exercises`)
@@ -209,8 +211,9 @@ def _check_ranks(exercise, function, world_size, args, log_dir):
         return [f"{on} your function did not finish within {exercise.timeout:g} s "
                 "(a deadlock?). Where each rank was:", *str(failure).splitlines()[1:],
                 "Each rank's last communication call, the one it waits in if it is blocked:",
-                *(f"  rank {rank}: {_describe(calls[-1])}"
-                  for rank, calls in sorted(logs.items()) if calls)]
+                *(f"  rank {rank}: {_describe(made[-1])}"
+                  for rank, calls in sorted(logs.items())
+                  if (made := [call for call in calls if call.name not in rules_module.MARKS]))]
     if isinstance(failure, WorkerError):
         lines = [f"{on}:", *str(failure).splitlines()]
         if is_consequence(failure.message):
@@ -219,10 +222,12 @@ def _check_ranks(exercise, function, world_size, args, log_dir):
                          "(or a collective that not every rank calls)?")
         return lines
     for rank, got in enumerate(out):
-        problem = _compare(got, exercise.expected(rank, world_size, *args), exercise.names)
+        expected = exercise.expected(rank, world_size, *args)
+        problem = _compare(got, expected, exercise.names)
         if problem:
-            return [f"{on}, rank {rank}: {problem}", *([f"Hint: {exercise.hint}"]
-                                                        if exercise.hint else [])]
+            hint = (exercise.hint_for and exercise.hint_for(got, expected, world_size, *args)
+                    ) or exercise.hint
+            return [f"{on}, rank {rank}: {problem}", *([f"Hint: {hint}"] if hint else [])]
     return None
 
 

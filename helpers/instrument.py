@@ -196,6 +196,10 @@ class Observer:
     def before(self, record: Record) -> None:
         """Called before every recorded call runs; may raise to stop it."""
 
+    def returned(self, record: Record, result):
+        """Called with what every recorded call returns; what it returns, the caller gets."""
+        return result
+
     # --- patching --------------------------------------------------------------------------------
 
     def __enter__(self):
@@ -278,7 +282,7 @@ class Observer:
                 result = self._on_completion(result, record)
             elif name not in ("isend", "irecv", "batch_isend_irecv"):
                 record.completed = time.perf_counter()
-            return result
+            return self.returned(record, result)
 
         observed.__name__ = observed.__qualname__ = name
         observed.__wrapped__ = original  # an Observer inside this one reads its signature

@@ -15,7 +15,11 @@ import math
 import os
 from typing import NamedTuple
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from helpers.instrument import COLLECTIVES, POINT_TO_POINT, Observer
+
+MARKS = ("wait", "compute")  # log entries that are not calls: a Work's wait(), a computation
 
 
 class Call(NamedTuple):
@@ -153,6 +157,37 @@ def _calls(count: int) -> str:
     return f"{count} call" if count == 1 else f"{count} calls"
 
 
+def _starts_a_receive(call) -> bool:
+    return call.name == "irecv" or (call.name == "batch_isend_irecv"
+                                     and any(op == "irecv" for op, _ in call.detail))
+
+
+class OverlapsCompute(Rule):
+    """Every computation (a matrix product) happens while a receive (irecv, or a
+    batch_isend_irecv with one) is in flight: started and not yet waited for. Only after the
+    last receive has been waited for may a rank compute with nothing in flight. (`marks_compute`
+    makes CallRecorder log the products, and each request's wait().)"""
+
+    marks_compute = True
+
+    def broken_by(self, logs, world_size, args=(), finished=True):
+        for rank, calls in sorted(logs.items()):
+            in_flight, started = set(), 0
+            total = sum(_starts_a_receive(call) for call in calls)
+            for index, call in enumerate(calls):
+                if _starts_a_receive(call):
+                    in_flight.add(index)
+                    started += 1
+                elif call.name == "wait":
+                    in_flight.discard(call.detail)
+                elif call.name == "compute" and not in_flight and started < total:
+                    return (f"{self.text}: on {world_size} ranks, rank {rank} computed with no "
+                            f"transfer in flight, after waiting for receive number {started} "
+                            f"and before starting number {started + 1}, so that transfer "
+                            "could not overlap the computation.")
+        return None
+
+
 class OffTheWorld(Rule):
     """`calls` must name a group other than the whole world."""
 
@@ -190,19 +225,73 @@ class CallRecorder(Observer):
     def __init__(self, rules, log_file: str, function):
         super().__init__(function)
         self.rules, self.log_file = rules, log_file
+        self.written, self.last, self.index_of = 0, None, {}
+        self.products = (_MarkProducts(self) if any(getattr(rule, "marks_compute", False)
+                                                    for rule in rules) else None)
 
     def __enter__(self):
         self.log = open(self.log_file, "a")  # noqa: SIM115 - closed in __exit__
+        if self.products is not None:
+            self.products.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc_info):
         super().__exit__(*exc_info)
+        if self.products is not None:
+            self.products.__exit__(*exc_info)
         self.log.close()
 
-    def before(self, record):
-        self.log.write(json.dumps([record.name, record.detail, record.numel, record.span]) + "\n")
+    def write(self, name, detail=None, numel=None, span=None):
+        self.log.write(json.dumps([name, detail, numel, span]) + "\n")
         self.log.flush()
+        self.written, self.last = self.written + 1, name
+
+    def before(self, record):
+        self.index_of[id(record)] = self.written
+        self.write(record.name, record.detail, record.numel, record.span)
         for rule in self.rules:
             if rule.forbids(record.name, record.detail):
                 raise RuleBroken(f"the task says: {rule.text}. Your code called "
                                  f"dist.{record.name}().")
+
+    def returned(self, record, result):
+        """Where a rule marks computation, a point-to-point call's requests log their wait()
+        (the call's index in the log)."""
+        if (self.products is None or result is None
+                or record.name not in ("isend", "irecv", "batch_isend_irecv")):
+            return result
+        index = self.index_of[id(record)]
+        if isinstance(result, list):
+            return [_LoggedWork(work, self, index) for work in result]
+        return _LoggedWork(result, self, index)
+
+
+class _LoggedWork:
+    """A request whose wait() is logged as ("wait", the index of the call that made it)."""
+
+    def __init__(self, work, recorder: CallRecorder, index: int):
+        self.work, self.recorder, self.index = work, recorder, index
+
+    def wait(self, *args, **kwargs):
+        self.recorder.write("wait", self.index)
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+class _MarkProducts(TorchDispatchMode):
+    """Logs ("compute") when a matrix product or an attention kernel runs, once between two
+    other entries."""
+
+    PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
+
+    def __init__(self, recorder: CallRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        if op.overloadpacket.__name__ in self.PRODUCTS and self.recorder.last != "compute":
+            self.recorder.write("compute")
+        return op(*args, **(kwargs or {}))

@@ -315,6 +315,8 @@ def dp_tp_step_over_the_world(rank, world_size, w1, w2, x, y, tp):
     ("dp_tp_step", dp_tp_step_without_the_tp_sum, "Hint: which of your results is only your "
                                                    "share of a sum"),
     ("dp_tp_step", dp_tp_step_with_local_means_summed, "Your result is 2 times the expected one"),
+    ("dp_tp_step", dp_tp_step_with_local_means_summed,
+     "Hint: each of your gradients is dp = 2 times the whole batch's"),
     ("dp_tp_step", dp_tp_step_over_the_world,
      "the task says: reduce only within your dp group or your tp group"),
 ])
@@ -357,3 +359,17 @@ def test_strategy_fits_torchtitans_published_70b_run():
     assert row["activations"] == pytest.approx(activations)
     assert row["memory"] == pytest.approx(16 * model.parameters() / 256 + activations)
     assert row["memory"] < 71.9 * 2**30  # less than the measured peak: it leaves things out
+
+
+def test_rows_held_finds_which_rank_holds_each_row_of_a_weight():
+    full = torch.arange(32 * 4, dtype=torch.float64).view(32, 4)
+    # (dp, tp) = (2, 2): Shard(0) on tp, then each half cut again over dp
+    pieces = [full[0:8], full[16:24], full[8:16], full[24:32]]
+    owner = plots.rows_held(pieces, full)
+    assert owner == [0] * 8 + [2] * 8 + [1] * 8 + [3] * 8
+    fig = plots.plot_rows_held(owner, [{"dp": r // 2, "tp": r % 2} for r in range(4)], "q")
+    assert len(fig.axes[0].patches) == 4  # one bar per run of rows
+    with pytest.raises(ValueError, match="held by no rank"):
+        plots.rows_held(pieces[:3], full)
+    with pytest.raises(ValueError, match="found at rows"):
+        plots.rows_held([full[0:8], full[0:8]], full)

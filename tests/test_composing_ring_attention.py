@@ -232,10 +232,11 @@ def merge_keeping_the_larger_lse(out_a, lse_a, out_b, lse_b):
 
 
 def _ring_mistake(rank, world_size, q, k, v, diagonal_mask=True, merge="online", send_to=1,
-                  gather=False, blocking=False):
+                  gather=False, blocking=False, wait_first=False):
     """The solution with one thing changed: no mask on the diagonal block, plain averaging as
     the merge, K/V sent to rank - 1 (and the block's owner counted accordingly), K/V gathered
-    with all_gather, or blocking send/recv."""
+    with all_gather, blocking send/recv, or each transfer waited for before the computation it
+    should overlap."""
     import torch
 
     def attend(kv, diagonal):
@@ -275,10 +276,13 @@ def _ring_mistake(rank, world_size, q, k, v, diagonal_mask=True, merge="online",
             else:
                 transfers = [dist.isend(kv, dst=(rank + send_to) % world_size),
                              dist.irecv(kv_next, src=(rank - send_to) % world_size)]
+                if wait_first:
+                    for transfer in transfers:
+                        transfer.wait()
         if source <= rank:
             result = merged(result, attend(kv, source == rank))
         if step < world_size - 1:
-            if not blocking:
+            if not blocking and not wait_first:  # (a gloo request waited for twice hangs)
                 for transfer in transfers:
                     transfer.wait()
             kv = kv_next
@@ -305,6 +309,10 @@ def ring_with_blocking_sends(rank, world_size, q, k, v):
     return _ring_mistake(rank, world_size, q, k, v, blocking=True)
 
 
+def ring_waiting_before_computing(rank, world_size, q, k, v):
+    return _ring_mistake(rank, world_size, q, k, v, wait_first=True)
+
+
 @pytest.mark.parametrize("name,mistake,says", [
     ("online_softmax_merge", merge_by_exponentiating,
      "the merged out: expected tensor([[-1.5313,  0.6318],"),
@@ -316,6 +324,9 @@ def ring_with_blocking_sends(rank, world_size, q, k, v):
      "On 3 ranks: each rank passes the K/V it holds to rank + 1 (mod N)"),
     ("ring_attention_forward", ring_gathering_every_kv, "Your code called dist.all_gather()"),
     ("ring_attention_forward", ring_with_blocking_sends, "Your code called dist.send()"),
+    ("ring_attention_forward", ring_waiting_before_computing,
+     "On 3 ranks: start each transfer (isend, irecv) before you compute, wait for it after: on "
+     "3 ranks, rank 0 computed with no transfer in flight, after waiting for receive number 1"),
 ])
 def test_ring_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)

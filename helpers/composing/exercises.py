@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from helpers.composing import ring_attention as ring
 from helpers.exercises import Exercise
 from helpers.reference import seeded_randn
-from helpers.rules import OffTheWorld, Only, Rule, SameGroups, SendsTo
+from helpers.rules import OffTheWorld, Only, OverlapsCompute, Rule, SameGroups, SendsTo
 
 EXERCISES = {}
 
@@ -57,6 +57,24 @@ def _dp_tp_expected(rank, world_size, seed, tp):
     return w1.grad.chunk(tp)[t], w2.grad.chunk(tp, dim=1)[t]
 
 
+def _dp_tp_hint(got, expected, world_size, seed, tp):
+    """Gradients off by exactly dp (or 1/dp): the denominator of the loss's mean."""
+    dp = world_size // tp
+    if not isinstance(got, tuple | list) or len(got) != len(expected) or dp == 1:
+        return None
+    for factor, hint in ((dp, f"each of your gradients is dp = {dp} times the whole batch's: a "
+                              "mean over your own slice of the batch, summed over the dp group, "
+                              "counts every sample dp times. The loss is the mean over the "
+                              "whole batch: divide by its size, or average over dp, not both "
+                              "or neither."),
+                         (1 / dp, f"each of your gradients is 1/dp = 1/{dp} of the whole "
+                                  "batch's: is your slice's gradient summed over the dp group?")):
+        if all(isinstance(part, torch.Tensor) and part.shape == want.shape
+               and torch.allclose(part, factor * want) for part, want in zip(got, expected)):
+            return hint
+    return None
+
+
 EXERCISES["dp_tp_step"] = Exercise(
     "one training step's gradients with data x tensor parallelism, for the MLP out = GeLU(x "
     "W1^T) W2^T (no biases) and the loss mean((out - y)**2) over the whole batch. The ranks form "
@@ -72,6 +90,7 @@ EXERCISES["dp_tp_step"] = Exercise(
     names=("the gradient of your W1 rows", "the gradient of your W2 columns"),
     hint="which of your results is only your share of a sum, and over which group (tp or dp) "
          "must it be summed, in the forward or in the backward?",
+    hint_for=_dp_tp_hint,
     rules=(Only("all_reduce", text="communicate only with all_reduce"),
            OffTheWorld("all_reduce", text="reduce only within your dp group or your tp group"),
            SameGroups()))
@@ -219,4 +238,6 @@ EXERCISES["ring_attention_forward"] = Exercise(
            SendsTo(lambda rank, n, *case: [(rank + 1) % n] * (n - 1),
                    text="each rank passes the K/V it holds to rank + 1 (mod N), K and V in one "
                         "tensor, once per step but the last: N - 1 times",
-                   who="the ring")))
+                   who="the ring"),
+           OverlapsCompute(text="start each transfer (isend, irecv) before you compute, wait "
+                                "for it after")))

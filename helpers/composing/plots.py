@@ -26,6 +26,51 @@ def placements(results: list, full: dict) -> dict:
     return found
 
 
+def rows_held(pieces: list, full) -> list:
+    """For each row of `full` (a 2-D weight), the rank whose piece (pieces[rank], rows of it)
+    holds it: each piece's rows located in `full` to within 1e-4 (the float32 runs' AdamW
+    amplifies rounding). Raises if a row is not found, or is found twice."""
+    owner = [None] * full.shape[0]
+    for rank, piece in enumerate(pieces):
+        for row in piece:
+            matches = ((full - row).abs().amax(dim=1) <= 1e-4).nonzero().flatten().tolist()
+            if len(matches) != 1 or owner[matches[0]] is not None:
+                raise ValueError(f"rank {rank}'s row is found at rows {matches} of the weight")
+            owner[matches[0]] = rank
+    if None in owner:
+        raise ValueError(f"rows {[i for i, o in enumerate(owner) if o is None]} held by no rank")
+    return owner
+
+
+def plot_rows_held(owner: list, places: list, title: str):
+    """One weight's rows top to bottom, each coloured by the rank that holds it, with the rank
+    and its mesh coordinates (`places`: each rank's {"dp": d, "tp": t}) written on each run of
+    rows."""
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    start = 0
+    for row in range(1, len(owner) + 1):
+        if row == len(owner) or owner[row] != owner[start]:
+            rank, place = owner[start], places[owner[start]]
+            ax.barh(0, row - start, left=start, color=color(rank), edgecolor="white")
+            ax.text((start + row) / 2, 0, f"rank {rank}\ndp {place['dp']}, tp {place['tp']}\n"
+                    f"rows {start}-{row - 1}", ha="center", va="center", fontsize=8,
+                    color="white")
+            start = row
+    half = len(owner) // 2
+    for left, label in ((0, "tp 0: Shard(0) on tp, first half"),
+                        (half, "tp 1: second half")):
+        ax.annotate("", xy=(left + half, 0.55), xytext=(left, 0.55),
+                    arrowprops=dict(arrowstyle="<->", color=GREY))
+        ax.text(left + half / 2, 0.62, label, ha="center", fontsize=8)
+    ax.set_xlim(0, len(owner))
+    ax.set_ylim(-0.6, 0.85)
+    ax.set_yticks([])
+    ax.set_xlabel("row of the weight (its output features)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _short(name: str) -> str:
     """blocks.0.attention.q.weight -> block 0 q; token_embedding.weight -> token embedding."""
     parts = name.removesuffix(".weight").split(".")

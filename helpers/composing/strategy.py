@@ -17,11 +17,15 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    attention backend at b5bcd76, torchtitan/models/llama3/__init__.py,
                    model_registry); RMSNorm, q and grouped k and v, SwiGLU's four tensors of width
                    ffn (Model.kept_widths), in 16-bit elements, and float32 statistics. With
-                   tensor and sequence parallelism every one of them is s/t tokens (Megatron-LM's
-                   sequence parallelism). Without recomputation, and with selective recomputation
-                   (which recomputes attention's s x s core; a flash kernel keeps none), a layer
-                   keeps all of them; with attention="math" the softmax's output is kept too
-                   (heads x s per token). With full recomputation a layer keeps only its input,
+                   tensor and sequence parallelism every one of them is s/t tokens, as
+                   Megatron-LM keeps them, gathering the column-parallel layers' inputs again in
+                   backward (Korthikanti et al., section 4.2.2); layers that keep the gathered
+                   inputs whole, as this course's sequence-parallel block does (lesson 08), keep
+                   2 (1 - 1/t) sbh elements more per layer. Without recomputation, and with
+                   selective recomputation (which recomputes attention's s x s core; a flash
+                   kernel keeps none), a layer keeps all of them; with attention="math" the
+                   softmax's output is kept too (heads x s per token). With full recomputation a
+                   layer keeps only its input,
                    s/t tokens of it with sequence parallelism (torchtitan's plan reduce-scatters
                    each block's output to a shard of the tokens, torchtitan@b5bcd76,
                    torchtitan/models/llama3/sharding.py; Megatron-LM refuses

@@ -85,8 +85,8 @@ def dp_tp_pp_worker(rank, world_size, model, batches, sizes, micro_batches=2, lr
 def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
     """The same training with PyTorch's pieces on one DeviceMesh ("dp", "tp"), laid out by
     layouts.apply_dp_tp. Returns the losses, every parameter gathered whole
-    (full_tensor), and each parameter's DTensor layout: its mesh dimensions, placements and the
-    shape of this rank's piece."""
+    (full_tensor), each parameter's DTensor layout: its mesh dimensions, placements and the
+    shape of this rank's piece, and the piece itself ("pieces")."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(get_device().type, (world_size // tp_size, tp_size),
@@ -108,6 +108,7 @@ def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
     # every rank: true, and of no interest here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     full = {name: param.full_tensor().detach().cpu() for name, param in model.named_parameters()}
-    return {"losses": losses, "parameters": full, "layouts": layouts}
+    pieces = {name: param.to_local().detach().cpu() for name, param in model.named_parameters()}
+    return {"losses": losses, "parameters": full, "layouts": layouts, "pieces": pieces}
 
 
