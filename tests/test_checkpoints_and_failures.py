@@ -7,6 +7,7 @@ test_checkpoints_and_failures_<topic>.py.
 No rounding can change these results (counts, messages, bit-for-bit comparisons of runs on the
 same kernels, float64 against one process): the file is not marked numerical."""
 
+import collections
 import functools
 import os
 
@@ -120,3 +121,21 @@ def test_dcp_to_torch_save_makes_one_file_that_loads_into_a_plain_model(checkpoi
     assert_same_state({"model": dict(plain.state_dict()),
                        "optimizer": {name: state["optimizer"]["state"][name]
                                      for name in saved["optimizer"]}}, saved)
+
+
+def test_a_hand_built_tensor_parallel_block_saved_with_dcp_loads_whole_in_one_process(tmp_path):
+    """Lesson 08's parallelize_block on a 2 x 2 (dp, tp) mesh, its pieces given to DCP as
+    DTensors; read back in one process into a whole Block's tensors: equal to the Block."""
+    import torch.distributed.checkpoint as dcp
+
+    block = reference.make_block(dim=32, heads=4, seed=3)
+    run(sharded.tensor_parallel_save_worker, 4, args=(block, str(tmp_path), 2),
+        show_output=False)
+    whole = {name: torch.zeros_like(param) for name, param in block.named_parameters()}
+    dcp.load(whole, checkpoint_id=str(tmp_path), no_dist=True)
+    for name, param in block.named_parameters():
+        torch.testing.assert_close(whole[name], param.detach(), rtol=0, atol=0, msg=name)
+    # each cut tensor is stored as 2 pieces (one per tp rank, dp 0 writing it), a whole one once
+    stored = collections.Counter(row["name"] for row in sharded.pieces(str(tmp_path)))
+    assert stored["attention.q.weight"] == 2 and stored["attention.out.weight"] == 2
+    assert stored["norm1.weight"] == 1 and stored["attention.out.bias"] == 1

@@ -2,7 +2,8 @@
 
 sharded: a full state dict gathered to rank 0 beside torch.distributed.checkpoint (DCP), the
 bytes each rank writes and reads, the metadata's map of pieces, and loads into another world size
-and layout (FSDP on 2 ranks, DP × TP, one process). resume: a training loop that resumes exactly
+and layout (FSDP on 2 ranks, DP × TP, one process), and lesson 08's hand-built tensor-parallel
+block given to DCP as DTensors. resume: a training loop that resumes exactly
 from its newest checkpoint (model, optimizer, sampler position, RNG states), keep_last, and
 async_save. resize: resuming on another number of ranks, the data position one count of samples
 consumed. interval: how often to save (Young's formula) and the time lost.
@@ -13,3 +14,11 @@ kernel. exercises: the checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "12_checkpoints_and_failures.ipynb"
+
+# The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
+# (tests/test_structure.py checks the imports, name by name):
+BUILDS_ON = {
+    "tensor_parallelism.megatron:parallelize_block":
+        "lesson 08's hand-built tensor-parallel block, saved with DCP",
+    "tensor_parallelism.megatron:plan_style": "lesson 08's plan: which of its layers are cut how",
+}

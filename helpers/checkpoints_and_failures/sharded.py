@@ -26,6 +26,10 @@ TP on a 2 x 2 mesh (helpers.layouts.apply_dp_tp), or into one process.
     save_worker / load_worker        one save or load, its seconds and the bytes each rank wrote
                                      or read
     hand_built_worker                lesson 07's ZeRO saved on some ranks, loaded on others
+    tensor_parallel_state(block, mesh)
+                                     lesson 08's hand-built tensor-parallel block, each piece a
+                                     DTensor: what DCP needs to reshard it
+    tensor_parallel_save_worker      that block on a ("dp", "tp") mesh, saved with DCP
     ReadRecorder                     a FileSystemReader that notes every piece it reads
     pieces(directory)                the metadata's map, one row per stored piece
     full_state(model, optimizer)     the whole state, gathered to every rank, keyed by name
@@ -171,6 +175,42 @@ def hand_built_worker(rank, world_size, strategy, model, batches, directory, sav
     start = strategies.full_parameters(model)
     train(model, optimizer, batches)
     return {"start": start, "end": strategies.full_parameters(model)}
+
+
+def tensor_parallel_state(block, mesh) -> dict:
+    """The parameters of lesson 08's hand-built tensor-parallel Block (parallelize_block over
+    mesh["tp"]) for DCP, by the whole Block's names: a column-parallel layer's rows and bias
+    (q, k, v, up) become DTensors Shard(0) over "tp", a row-parallel layer's columns (out, down)
+    Shard(1), each replicated over "dp"; what every rank holds whole stays a plain tensor. Each
+    DTensor's local tensor is the rank's own piece (from_local: no copy)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from helpers.tensor_parallelism.megatron import plan_style
+
+    state = {}
+    for name, param in block.named_parameters():
+        layer, _, kind = name.rpartition(".")
+        style = plan_style(layer)
+        dim = {"column": 0, "row": 1 if kind == "weight" else None}.get(style)
+        if dim is None:  # not cut: the norms, and a row-parallel layer's bias (added whole)
+            state[name] = param.detach()
+            continue
+        state[name] = DTensor.from_local(param.detach(), mesh, [Replicate(), Shard(dim)],
+                                         run_check=False)
+    return state
+
+
+def tensor_parallel_save_worker(rank, world_size, block, directory, tp):
+    """A copy of `block` cut by lesson 08's parallelize_block over the "tp" dimension of a
+    ("dp", "tp") mesh, its parameters saved with DCP (tensor_parallel_state) to `directory`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers.tensor_parallelism.megatron import parallelize_block
+
+    mesh = init_device_mesh(get_device().type, (world_size // tp, tp),
+                            mesh_dim_names=("dp", "tp"))
+    cut = parallelize_block(block, mesh.get_group("tp"))
+    dcp.save(tensor_parallel_state(cut, mesh), checkpoint_id=directory)
 
 
 # --- what DCP wrote, and what each rank read ----------------------------------------------------
