@@ -9,10 +9,8 @@ from helpers.composing import strategy
 
 def test_parameters_equal_the_projections_count_at_the_published_shapes():
     for model in strategy.MODELS.values():
-        shape = llama.Shape(model.layers, model.dim, model.heads, model.kv_heads, model.ffn,
-                            model.vocab)
         with torch.device("meta"):  # shapes only: no memory
-            built = llama.Llama(shape)
+            built = llama.Llama(model)
         assert sum(param.numel() for param in built.parameters()) == model.parameters()
 
 
@@ -21,12 +19,10 @@ def test_a_bfloat16_block_keeps_what_the_projection_counts():
     tensor it keeps is the projection's, except the norms: torch's RMSNorm on the CPU computes in
     float32 and keeps two float32 tensors of the input's size where the count has the 16-bit
     input, the least its backward needs."""
-    shape = llama.Shape(layers=1, dim=256, heads=8, kv_heads=2, ffn=896, vocab=64)
-    model = strategy.Model("small", 1, shape.dim, shape.heads, shape.kv_heads, shape.ffn,
-                           shape.vocab)
+    model = strategy.Model(layers=1, dim=256, heads=8, kv_heads=2, ffn=896, vocab=64)
     batch, seq_len = 2, 128
     tokens = batch * seq_len
-    measured = llama.kept_by_block(shape, batch, seq_len)
-    norm_inputs = 2 * tokens * shape.dim * 2  # two norms, their 16-bit inputs
-    assert measured["float32 copies"] == 2 * 2 * tokens * shape.dim * 4
+    measured = llama.kept_by_block(model, batch, seq_len)
+    norm_inputs = 2 * tokens * model.dim * 2  # two norms, their 16-bit inputs
+    assert measured["float32 copies"] == 2 * 2 * tokens * model.dim * 4
     assert measured["per token"] + norm_inputs == model.kept_per_token(element=2) * tokens

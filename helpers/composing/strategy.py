@@ -81,7 +81,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helpers.llama import swiglu_hidden
+from helpers.llama import Shape, swiglu_hidden
 from helpers.published import PUBLISHED_LINKS
 from helpers.strategies import SYNC  # when ZeRO-2 and 3 reduce-scatter
 from helpers.tensor_parallelism.cost import layer_bytes_sent
@@ -102,14 +102,11 @@ def _link(label: str) -> float:
 
 
 @dataclass(frozen=True)
-class Model:
-    name: str
-    layers: int
-    dim: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
+class Model(Shape):
+    """A Llama 3 shape (helpers.llama.Shape: layers, dim, heads, kv_heads, ffn, vocab), named,
+    and what the projection counts of it."""
+
+    name: str = ""
 
     def parameters(self) -> int:
         """Token embedding and output head (untied), and per layer: q and o (d x d), k and v
@@ -117,11 +114,8 @@ class Model:
         RMSNorm."""
         return 2 * self.embedding() + self.layers * self.layer() + self.dim
 
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.dim // self.heads
-
     def layer(self) -> int:
-        return (2 * self.dim * self.dim + 2 * self.dim * self.kv_dim()
+        return (2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
                 + 3 * self.dim * self.ffn + 2 * self.dim)
 
     def embedding(self) -> int:
@@ -151,17 +145,17 @@ class Model:
         flash attention kernel and no dropout: what each operation's backward needs (a norm its
         input, a matmul its input, silu its input, a product both factors, the kernel q, k, v and
         its output); the residual additions keep nothing."""
-        d, kv, f = self.dim, self.kv_dim(), self.ffn
+        d, kv, f = self.dim, self.kv_dim, self.ffn
         return {"the two norms' inputs": 2 * d, "the two norms' outputs (the matmuls' input)":
                 2 * d, "q": d, "k and v": 2 * kv, "attention's output": d,
                 "SwiGLU: w1's and w3's outputs, silu's output, their product": 4 * f}
 
 
-MODELS = {
-    "Llama 3 8B": Model("Llama 3 8B", 32, 4096, 32, 8, swiglu_hidden(4096, 1024, 1.3), 128256),
-    "Llama 3 70B": Model("Llama 3 70B", 80, 8192, 64, 8, swiglu_hidden(8192, 4096, 1.3),
-                         128256),
-}
+MODELS = {model.name: model for model in (
+    Model(layers=32, dim=4096, heads=32, kv_heads=8, ffn=swiglu_hidden(4096, 1024, 1.3),
+          vocab=128256, name="Llama 3 8B"),
+    Model(layers=80, dim=8192, heads=64, kv_heads=8, ffn=swiglu_hidden(8192, 4096, 1.3),
+          vocab=128256, name="Llama 3 70B"))}
 
 
 @dataclass(frozen=True)
