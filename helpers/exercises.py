@@ -53,6 +53,8 @@ class Exercise:
     harness: callable = None  # plain functions: harness(function, *inputs) calls the learner's
     # function and returns what is compared with expected (values measured around the call)
     lesson: str = ""  # the lesson's package, e.g. "helpers.collectives" (filled in by `exercises`)
+    rel_tol: float = 1e-4  # how near a float must be (see _compare); a float64 result that must
+    # repeat the same operations, as a resumed run's losses, asks for far less
 
     def worker(self, function, log_dir: str):
         """The worker that `run` starts: hands each rank its inputs and calls the learner's code,
@@ -152,7 +154,7 @@ def _check_case(exercise, function, case):
             said = f": {error}" if str(error) else " (with no message)"
             return [f"For {where}, your function raised {type(error).__name__}{said}",
                     *_learners_traceback(error, exercise)]
-        problem = _compare(got, exercise.expected(*case), exercise.names)
+        problem = _compare(got, exercise.expected(*case), exercise.names, exercise.rel_tol)
         if not problem:
             return None
         return [f"For {where}: {problem}", *([f"Hint: {exercise.hint}"] if exercise.hint else [])]
@@ -223,7 +225,7 @@ def _check_ranks(exercise, function, world_size, args, log_dir):
         return lines
     for rank, got in enumerate(out):
         expected = exercise.expected(rank, world_size, *args)
-        problem = _compare(got, expected, exercise.names)
+        problem = _compare(got, expected, exercise.names, exercise.rel_tol)
         if problem:
             hint = (exercise.hint_for and exercise.hint_for(got, expected, world_size, *args)
                     ) or exercise.hint
@@ -263,7 +265,7 @@ def _not_started(exercise):
             f"The task: {exercise.task}."]
 
 
-def _compare(got, expected, names=()) -> str | None:
+def _compare(got, expected, names=(), rel_tol=1e-4) -> str | None:
     """None if `got` matches `expected`, else a sentence saying how it differs. The type asked
     for is part of the answer: a tensor is not an int, and a float is not a tensor."""
     if isinstance(expected, torch.Tensor):
@@ -272,7 +274,7 @@ def _compare(got, expected, names=()) -> str | None:
         if not isinstance(got, dict) or set(got) != set(expected):
             return f"expected a dict with keys {sorted(expected)}, got {_short(got)}"
         for key, want in expected.items():
-            problem = _compare(got[key], want)
+            problem = _compare(got[key], want, rel_tol=rel_tol)
             if problem:
                 return f"{key!r}: {problem}"
         return None
@@ -281,7 +283,7 @@ def _compare(got, expected, names=()) -> str | None:
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
             return f"expected {len(expected)} values, got {_short(got)}"
         for index, (one, want) in enumerate(zip(got, expected)):
-            problem = _compare(one, want)
+            problem = _compare(one, want, rel_tol=rel_tol)
             if problem:
                 return f"{names[index]}: {problem}" if names else f"value {index}: {problem}"
         return None
@@ -300,9 +302,19 @@ def _compare(got, expected, names=()) -> str | None:
     # A number a learner computes (a norm, a mean loss, a fitted time) may come from float32
     # sums in another order than the solution's, or from a fit on other points: 1e-4 relative is
     # hundreds of float32 epsilons (2**-23), while a wrong formula misses by its own size.
-    if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
-        return f"expected {expected:.6g}, got {got:.6g}"  # the same precision, side by side
+    if not math.isclose(got, expected, rel_tol=rel_tol, abs_tol=min(1e-6, rel_tol)):
+        return f"expected {_side_by_side(expected, got)}"
     return None
+
+
+def _side_by_side(expected: float, got: float) -> str:
+    """"a, got b" with as many significant digits as it takes for them to differ (6 at least),
+    trailing zeros kept: the same precision on both sides."""
+    for digits in range(6, 18):
+        a, b = f"{expected:#.{digits}g}", f"{got:#.{digits}g}"
+        if a != b:
+            break
+    return f"{a}, got {b}"
 
 
 def _short(value) -> str:

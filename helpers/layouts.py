@@ -1,8 +1,9 @@
 """Layouts: a model laid out on a mesh with PyTorch's own pieces, each written once.
 
-In the style of torchtitan's `apply_fsdp` and `apply_tp` (torchtitan/models/llama3/infra/
-parallelize.py): functions that take a model and a mesh, with keyword options, and change the
-model in place. Lessons 07, 10, 11 and 12 call them, and show them where they first use them.
+In the style of torchtitan's `apply_tp`, `apply_ac` and `apply_fsdp` (pytorch/torchtitan@9dec370,
+torchtitan/parallelisms/parallelize_llama.py): functions that take a model and a mesh, with
+keyword options, and change the model in place. Lessons 07, 10, 11 and 12 call them, and show
+them where they first use them.
 
 - `apply_fsdp(model, mesh, unit="block", **options)`: FSDP2's documented way to wrap a
   transformer. `fully_shard` each unit (`fsdp_units`: by default each block), then the model
@@ -21,7 +22,6 @@ model in place. Lessons 07, 10, 11 and 12 call them, and show them where they fi
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import torch
@@ -82,18 +82,21 @@ def recompute_in_backward(module: nn.Module, method: str = "forward", **options)
 
 
 def keep_products():
-    """A policy for torch.utils.checkpoint's selective checkpointing, torchtitan's op-level one
-    (pytorch/torchtitan@9dec370, torchtitan/parallelisms/parallelize_llama.py, `_save_list`
+    """A policy for torch.utils.checkpoint's selective checkpointing, after torchtitan's op-level
+    one (pytorch/torchtitan@9dec370, torchtitan/parallelisms/parallelize_llama.py, `_save_list`
     and `_custom_policy`): keep the output of every other matrix product (the first, the third,
-    ...; counted apart in forward and in recomputation), of the attention kernels and of the
-    collectives that end a tensor-parallel region; recompute everything else. A new one for each
-    forward: it counts."""
-    counted = collections.Counter()
+    ...), of the attention kernels and of the collectives that end a tensor-parallel region
+    (torchtitan's reduce-scatters; the all-reduces of lesson 08's plan); recompute everything
+    else. In torch 2.13 the policy is called in forward only, and the recomputation replays its
+    answers in order (torchtitan's counter for the recomputation served older releases). A new
+    one for each forward: it counts."""
+    products = 0
 
     def policy(context, op, *args, **kwargs):
+        nonlocal products
         if op in PRODUCTS:
-            counted[context.is_recompute] += 1
-            keep = counted[context.is_recompute] % 2 == 1
+            products += 1
+            keep = products % 2 == 1
         else:
             keep = op in KEPT_BY_OP_POLICY
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -104,8 +107,9 @@ def keep_products():
 def apply_ac(model: nn.Module, mode: str = "full", *, every: int = 1) -> nn.Module:
     """Checkpoint the blocks of `model` (a TinyLM, or one Block): "full" recomputes the whole
     block from its input, "selective" only its attention core, "op" what `keep_products` does
-    not keep, "none" nothing. `every`: only blocks 0, k, 2k, ... (k = every), the others keep
-    everything. Returns model."""
+    not keep, "none" nothing. `every` = k: only every k-th block, counted from 1 (the blocks at
+    indices k - 1, 2k - 1, ..., as torchtitan@9dec370's layer-level selective checkpointing
+    counts them); the others keep everything. Returns model."""
     if mode not in AC_MODES + ("op",):
         raise ValueError(f"mode must be one of {AC_MODES + ('op',)}, got {mode!r}")
     for index, block in enumerate(getattr(model, "blocks", [model])):

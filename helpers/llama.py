@@ -1,8 +1,10 @@
-"""A Llama 3 model of the course's own: RMSNorm, rotary position embeddings, grouped-query
-attention through PyTorch's scaled_dot_product_attention, and a SwiGLU MLP (Grattafiori et al.,
-"The Llama 3 Herd of Models", 2024, section 3.1 and Table 3; the module names are torchtitan's,
-pytorch/torchtitan, torchtitan/models/llama3). No biases, no dropout, untied input and output
-embeddings. Lesson 11 measures what one block keeps for backward against the projection's count.
+"""A Llama 3 model of the course's own: RMSNorm, rotary position embeddings, grouped-query attention
+through PyTorch's scaled_dot_product_attention, and a SwiGLU MLP (Grattafiori et al., "The Llama 3
+Herd of Models", 2024, section 3.2 and Table 3: a vocabulary of 128,000 tokens, to which the
+released tokenizer adds 256 special ones, 128,256 in torchtitan's configurations; the module names
+are those of pytorch/torchtitan@9dec370, torchtitan/models/llama/model.py). No biases, no dropout,
+untied input and output embeddings. Lesson 11 measures what one block keeps for backward against the
+projection's count.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class Shape:
     kv_heads: int
     ffn: int
     vocab: int
-    rope_theta: float = 500000.0  # Llama 3's base frequency (the paper, section 3.1)
+    rope_theta: float = 500000.0  # Llama 3's base frequency (the paper, section 3.2)
     norm_eps: float = 1e-5
 
     @property

@@ -181,10 +181,12 @@ class OverlapsCompute(Rule):
                 elif call.name == "wait":
                     in_flight.discard(call.detail)
                 elif call.name == "compute" and not in_flight and started < total:
+                    when = (f"after waiting for receive number {started} and before starting "
+                            f"number {started + 1}" if started else
+                            "before starting its first transfer")
                     return (f"{self.text}: on {world_size} ranks, rank {rank} computed with no "
-                            f"transfer in flight, after waiting for receive number {started} "
-                            f"and before starting number {started + 1}, so that transfer "
-                            "could not overlap the computation.")
+                            f"transfer in flight, {when}, so that transfer could not overlap "
+                            "the computation.")
         return None
 
 

@@ -153,11 +153,21 @@ def resumable_with(scheduler=True, rng_key="rng.rank{rank}", checkpoints=True):
                                      resumable_with(rng_key="rng")])
 def test_resumable_checker_rejects_a_typical_mistake(mistake):
     # each fails at the first kill: two launches
-    text = expect_rejection("resumable", mistake, "their losses, by step")
-    # the expected loss and the learner's, side by side at the same precision (6 digits)
+    text = expect_rejection("resumable", mistake, "the second run's losses, by step")
+    # the expected loss and the learner's, side by side at the same precision (6 digits here,
+    # trailing zeros kept)
     expected, got = re.search(r"expected (\S+), got (\S+)$", text.splitlines()[1]).groups()
-    assert all(number == f"{float(number):.6g}" for number in (expected, got)), text
+    assert all(number == f"{float(number):#.6g}" for number in (expected, got)), text
     assert expected != got
+
+
+def test_a_float_differing_in_a_far_digit_is_shown_with_the_digits_that_differ():
+    from helpers.exercises import _compare
+
+    assert _compare(3.5519 + 1e-9, 3.5519, rel_tol=1e-12) == \
+        "expected 3.551900000, got 3.551900001"  # (got, expected)
+    assert _compare(3.5519 + 1e-9, 3.5519) is None  # the default tolerance, 1e-4 relative
+    assert _compare(0.002, 0.001) == "expected 0.00100000, got 0.00200000"
 
 
 def test_resumable_checker_rejects_a_loop_that_starts_over():

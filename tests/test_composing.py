@@ -152,7 +152,9 @@ def test_strategy_projects_the_formulas_of_lessons_07_to_09():
     assert row["activations"] == pytest.approx(kept * 10 * 8)  # 8 micro-batches in flight
     micro_batches = 1024 / 4
     assert row["data parallel"] == pytest.approx(2 * 3 / 4 * psi * 2)  # once per step
-    assert row["tensor parallel"] == pytest.approx(4 * 2 * (1 / 2) * sbh * 2 * 10 * micro_batches)
+    # four all-reduces of s b h a layer (lesson 08) and the backward's all-gather again, half one
+    assert row["tensor parallel"] == pytest.approx((4 + 1) * 2 * (1 / 2) * sbh * 2 * 10
+                                                   * micro_batches)
     # a middle stage sends each micro-batch's activation on and its gradient back: s/t tokens
     assert row["pipeline"] == pytest.approx(2 * sbh / 2 * 2 * micro_batches)
     assert row["fits"] == (row["memory"] <= 80 * 2**30)
@@ -162,8 +164,8 @@ def test_strategy_projects_the_formulas_of_lessons_07_to_09():
                             recomputation="full")
     # each layer's input, s/t tokens of it (sequence parallelism), and one layer recomputed
     assert full["activations"] == pytest.approx(2 * sbh / 2 * 10 * 8 + kept)
-    # the recomputed forward all-reduces again: six of s b h per layer, not four
-    assert full["tensor parallel"] == pytest.approx(row["tensor parallel"] * 6 / 4)
+    # the recomputed forward all-reduces again: seven of s b h per layer, not five
+    assert full["tensor parallel"] == pytest.approx(row["tensor parallel"] * 7 / 5)
     assert full["data parallel"] == row["data parallel"]
 
 
@@ -299,6 +301,17 @@ def dp_tp_step_with_local_means_summed(rank, world_size, w1, w2, x, y, tp):
     return up.grad, down.grad
 
 
+def dp_tp_step_with_a_differentiated_tp_sum(rank, world_size, w1, w2, x, y, tp):
+    from torch.distributed.nn.functional import all_reduce
+
+    groups, up, down, x, y = _dp_tp_pieces(rank, world_size, w1, w2, x, y, tp)
+    out = all_reduce(torch.nn.functional.gelu(x @ up.T) @ down.T, group=groups["tp"])
+    ((out - y).square().sum() / (y.numel() * (world_size // tp))).backward()  # sums again
+    for grad in (up.grad, down.grad):
+        dist.all_reduce(grad, group=groups["dp"])
+    return up.grad, down.grad
+
+
 def dp_tp_step_over_the_world(rank, world_size, w1, w2, x, y, tp):
     groups, up, down, x, y = _dp_tp_pieces(rank, world_size, w1, w2, x, y, tp)
     partial = torch.nn.functional.gelu(x @ up.T) @ down.T
@@ -314,9 +327,11 @@ def dp_tp_step_over_the_world(rank, world_size, w1, w2, x, y, tp):
                                                    "71 of 72 differ"),
     ("dp_tp_step", dp_tp_step_without_the_tp_sum, "Hint: which of your results is only your "
                                                    "share of a sum"),
-    ("dp_tp_step", dp_tp_step_with_local_means_summed, "Your result is 2 times the expected one"),
+    ("dp_tp_step", dp_tp_step_with_local_means_summed, "Your result is 3 times the expected one"),
     ("dp_tp_step", dp_tp_step_with_local_means_summed,
-     "Hint: each of your gradients is dp = 2 times the whole batch's"),
+     "Hint: each of your gradients is dp = 3 times the whole batch's"),
+    ("dp_tp_step", dp_tp_step_with_a_differentiated_tp_sum,
+     "Hint: each of your gradients is tp = 2 times what it should be"),
     ("dp_tp_step", dp_tp_step_over_the_world,
      "the task says: reduce only within your dp group or your tp group"),
 ])

@@ -52,4 +52,4 @@ def _first_rows_only(rank, world_size, w1, w2, x, y, tp):
 
 def test_a_failing_case_is_named_by_its_arguments():
     text = repr(exercises.check("dp_tp_step", _first_rows_only))
-    assert text.endswith("The case: seed=1, tp=2."), text
+    assert text.endswith("The case: seed=3, tp=2."), text  # the first case, dp 3 x tp 2

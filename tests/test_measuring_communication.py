@@ -95,7 +95,7 @@ def whole_array_across_the_nodes(size_bytes, nodes, gpus_per_node, intra_bandwid
      "For the input op='all_gather', world_size=3, input_bytes=1048576, seconds=0.002"),
     ("bus_bandwidth", all_to_all_counted_twice,
      "For the input op='all_to_all', world_size=4, size_bytes=4194304, seconds=0.004"),
-    ("alpha_beta_from_two_points", alpha_and_beta_swapped, "alpha: expected 0.001, got"),
+    ("alpha_beta_from_two_points", alpha_and_beta_swapped, "alpha: expected 0.00100000, got"),
     ("two_level_all_reduce_seconds", whole_array_across_the_nodes,
      "For the input size_bytes=1073741824, nodes=4, gpus_per_node=8, "
      "intra_bandwidth=450000000000.0, inter_bandwidth=50000000000.0: expected"),

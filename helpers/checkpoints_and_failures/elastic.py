@@ -13,11 +13,14 @@ save, killed), with the wall-clock time; rank 0 of the last attempt writes the w
 to DIRECTORY/final.pt. From the kernel, `torchrun_job` starts that command, reads the agent's own
 log lines as they come, and returns everything for drawing.
 
-The agent keeps a key-value store (a TCP server), its rendezvous store, through which the workers
-find each other. In torch 2.13 it shares that store with the workers, and keeps one store across
-restarts: the restarted gloo workers can read the first attempt's addresses from it, and hang or
-fail in init_process_group (reported in pytorch/pytorch#135712, closed in 2024). With
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each attempt gets a store of its own; torchrun_job sets it.
+The agent's rendezvous hands the workers a key-value store (a TCP server) through which they find
+each other. In torch 2.13 that is a second store the rendezvous handler creates once and shares with
+the workers of every attempt (`_shared_tcp_store_server`, torch/distributed/elastic/
+rendezvous/dynamic_rendezvous.py), with no per-attempt prefix: the restarted gloo workers can read
+the first attempt's addresses from it, and hang or fail in init_process_group (the stale-key problem
+of pytorch/pytorch#135712; the comment "We create a new TCPStore for every retry" in
+torch/distributed/rendezvous.py no longer holds). With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each
+attempt gets a store of its own; torchrun_job sets it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main(argv=None) -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    os.makedirs(options.directory, exist_ok=True)  # (every rank: it may be the first here)
     log_path = os.path.join(options.directory, f"events.rank{rank}.jsonl")
     with open(log_path, "a") as log:
         def on_event(what, step):

@@ -99,15 +99,18 @@ EXERCISES["resumable"] = Exercise(
     "as in the lesson's loop. It returns a tuple (losses, state): this run's losses, {step: "
     "loss averaged over the ranks} with the step an int counted from 1 and the loss a Python "
     "float, and sharded.full_state(model, optimizer). It saves a checkpoint to `directory` "
-    "after every job.save_every-th step. The checker kills rank 1 while it loads a batch and "
-    "starts the function again, in new processes, on the same directory: that run must start "
+    "after every job.save_every-th step. The checker kills rank 1 while it loads a batch (the "
+    "case's kill_after = k: step k + 1's) and starts the function again, in new processes, on "
+    "the same directory: that run must start "
     "after the newest checkpoint and end exactly as a run that was never interrupted, with the "
     "same loss at every step it trains and the same weights at the end",
     KILL_CASES,
     _uninterrupted,
     distributed=False,
     harness=_interrupted,
-    names=("the steps the second run trained", "their losses, by step", "the weights at the end"),
+    names=("the steps the second run trained", "the second run's losses, by step",
+           "the weights at the end"),
+    rel_tol=1e-12,  # float64, the same operations on the same data: "the same loss", to rounding
     hint="did the second run start after the newest checkpoint? What does step k + 1 depend on, "
          "besides the weights, and which of those differs from rank to rank? (A key of a DCP "
          "state that differs between ranks needs the rank in its name.)",

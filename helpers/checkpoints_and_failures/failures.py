@@ -128,10 +128,11 @@ def extra_collective_worker(rank, world_size, odd_rank, timeout_s):
 
 def skipped_worker(rank, world_size, steps, skipping_rank, skipped_step, timeout_s):
     """A training step's collectives, `steps` times: an all-gather of weights, a reduce-scatter
-    of gradients (here an all-reduce of them), an all-reduce of the
-    loss. At `skipped_step` the skipping rank leaves out its loss all-reduce (a rank that
-    skipped logging, say): its next all-gather meets its peers' all-reduce, and the ranks wait
-    until the group's timeout. Run with env=FLIGHT_RECORDER; returns this rank's dump."""
+    of gradients (an all-reduce stands in for it here, by choice: gloo has reduce_scatter too),
+    an all-reduce of the loss. At `skipped_step` the skipping rank leaves out its loss
+    all-reduce (a rank that skipped logging, say): its next all-gather meets its peers'
+    all-reduce, and the ranks wait until the group's timeout. Run with env=FLIGHT_RECORDER;
+    returns this rank's dump."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     weights, gradients = torch.ones(16), torch.ones(16 * world_size)
     try:

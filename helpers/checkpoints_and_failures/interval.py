@@ -10,13 +10,14 @@ which is smallest at Young's interval
 
     τ = √(2 δ M)
 
-(J. W. Young, "A first order approximation to the optimum checkpoint interval", Communications
-of the ACM 17(9), 1974, 530-531), where it is √(2 δ / M). J. T. Daly, "A higher order estimate
-of the optimum checkpoint interval for restart dumps", Future Generation Computer Systems 22(3),
-2006, 303-312, adds the restart time and higher-order terms; his Fig. 3 case (M = 24 h,
-δ = 5 min, restart R = 10 min) gives τopt = 117 min, where Young's formula gives 120 min.
-First order leaves out the restart time, failures during a save or a restart, and more than one
-failure in an interval: it holds for δ much smaller than M.
+(J. W. Young, "A first order approximation to the optimum checkpoint interval", Communications of
+the ACM 17(9), 1974, 530-531), where the time lost is √(2 δ / M). J. T. Daly, "A higher order
+estimate of the optimum checkpoint interval for restart dumps", Future Generation Computer Systems
+22(3), 2006, 303-312, adds the restart time and higher-order terms to the cost (the restart time
+drops out of his optimum interval); his Fig. 3 case (M = 24 h, δ = 5 min, restart R = 10 min) gives
+τopt = 117 min, where Young's formula gives 120 min. First order leaves out the restart time,
+failures during a save or a restart, and more than one failure in an interval: it holds for δ much
+smaller than M.
 """
 
 from __future__ import annotations

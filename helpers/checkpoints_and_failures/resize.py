@@ -4,8 +4,9 @@ resume.py's loop saves a data position and RNG states per rank: exact, but only 
 number of ranks. Here the position is one number, the samples the whole job has consumed, as
 Megatron-LM counts `args.consumed_train_samples` (megatron/training/checkpointing.py restores it
 from a checkpoint's saved arguments) and hands it to its sampler
-(megatron/training/datasets/data_samplers.py, `MegatronPretrainingSampler`: rank r of d takes
-the r-th slice of every global batch of consecutive samples). Each step consumes a global batch
+(megatron/training/datasets/data_samplers.py, `MegatronPretrainingSampler`, at
+NVIDIA/Megatron-LM@98d8c56: it takes the samples in order, micro-batch x dp at a time, and gives
+rank r of d the r-th micro-batch of each group). Each step consumes a global batch
 of `global_batch` samples, whatever the world size; rank r of n takes the r-th share of
 global_batch / n. The noise of a sample is drawn from a generator seeded by the sample's
 position in the run, not by the rank (as Megatron's `RandomSeedDataset` seeds each sample by its

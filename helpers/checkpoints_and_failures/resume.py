@@ -235,10 +235,10 @@ def async_save_worker(rank, world_size, experiment, directory, asynchronous=True
     """Train experiment.steps steps, saving every save_every steps with dcp.async_save (or
     dcp.save, `asynchronous=False`), and record when each step and each save ran on this rank.
     async_save copies the state into CPU memory (staging) and returns a future; a background
-    thread writes the copy while training goes on. Two choices are this worker's: it passes
-    async_save a gloo group of its own (by default it would use the default group, from another
-    thread than training's collectives), and it waits for one save to finish writing before it
-    starts the next.
+    thread writes the copy while training goes on. It passes async_save a gloo group of
+    its own (required where training runs on NCCL alone: async_save refuses a group without a
+    CPU backend; here it keeps the background thread's collectives off the default group), and
+    it waits for one save to finish writing before it starts the next (our choice).
     Returns the events [(what, start, end)] in seconds from the first step, the bytes staged
     (one more copy of this rank's state), and the whole state at the end."""
     model, optimizer = strategies.build("fully_shard", experiment.model())

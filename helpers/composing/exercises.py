@@ -58,19 +58,25 @@ def _dp_tp_expected(rank, world_size, seed, tp):
 
 
 def _dp_tp_hint(got, expected, world_size, seed, tp):
-    """Gradients off by exactly dp (or 1/dp): the denominator of the loss's mean."""
+    """Gradients off by exactly a factor of dp (the denominator of the loss's mean) or of tp (a
+    sum over the tp group done again in backward)."""
     dp = world_size // tp
-    if not isinstance(got, tuple | list) or len(got) != len(expected) or dp == 1:
+    if not isinstance(got, tuple | list) or len(got) != len(expected):
         return None
-    for factor, hint in ((dp, f"each of your gradients is dp = {dp} times the whole batch's: a "
-                              "mean over your own slice of the batch, summed over the dp group, "
-                              "counts every sample dp times. The loss is the mean over the "
-                              "whole batch: divide by its size, or average over dp, not both "
-                              "or neither."),
-                         (1 / dp, f"each of your gradients is 1/dp = 1/{dp} of the whole "
-                                  "batch's: is your slice's gradient summed over the dp group?")):
-        if all(isinstance(part, torch.Tensor) and part.shape == want.shape
-               and torch.allclose(part, factor * want) for part, want in zip(got, expected)):
+    hints = [(dp, f"each of your gradients is dp = {dp} times the whole batch's: a mean over "
+                  "your own slice of the batch, summed over the dp group, counts every sample dp "
+                  "times. The loss is the mean over the whole batch: divide by its size, or "
+                  "average over dp, not both or neither."),
+             (1 / dp, f"each of your gradients is 1/dp = 1/{dp} of the whole batch's: is your "
+                      "slice's gradient summed over the dp group?"),
+             (tp, f"each of your gradients is tp = {tp} times what it should be: is a sum over "
+                  "the tp group done again in backward? The all-reduce that ends a region "
+                  "(lesson 08's g) is the identity in backward; torch.distributed.nn.functional."
+                  "all_reduce, which autograd differentiates, sums the gradient once more.")]
+    for factor, hint in hints:
+        if factor != 1 and all(isinstance(part, torch.Tensor) and part.shape == want.shape
+                               and torch.allclose(part, factor * want)
+                               for part, want in zip(got, expected)):
             return hint
     return None
 
@@ -84,7 +90,7 @@ EXERCISES["dp_tp_step"] = Exercise(
     "Return (the gradient of your W1 rows, the gradient of your W2 columns), equal to what one "
     "process computes for those pieces on the whole batch. Communicate only with all_reduce, and "
     "only within your dp group or your tp group (make them as dist.new_group requires)",
-    [(4, (1, 2)), (6, (2, 3)), (6, (3, 2))],
+    [(6, (3, 2)), (4, (1, 2)), (6, (2, 3))],  # dp = 3 first: a factor of dp is not one of tp
     _dp_tp_expected,
     inputs=_dp_tp_inputs,
     names=("the gradient of your W1 rows", "the gradient of your W2 columns"),
@@ -232,6 +238,8 @@ EXERCISES["ring_attention_forward"] = Exercise(
     "receiving the next from rank - 1: start that transfer (isend, irecv) before you compute, "
     "wait for it after. Send K and V stacked into one tensor, N - 1 times in all",
     RING_CASES, _ring_expected, inputs=_ring_inputs,
+    hint="is every block from later positions skipped, the future inside your own block masked "
+         "(on the diagonal only), and each block's result merged with online_softmax_merge?",
     rules=(Only("isend", "irecv", "batch_isend_irecv",
                 text="use isend and irecv (or batch_isend_irecv) only: no blocking send or "
                      "recv, no collective"),

@@ -10,30 +10,32 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    token embedding (Korthikanti et al. 2022, section 4.2.3: the first stage also
                    holds it), each cut over tp (Megatron-LM's vocabulary-parallel embedding),
                    sharded over dp from the ZeRO stage on
-    activations    counted as Korthikanti et al. 2022 count them (section 4, Table 2: the tensors
-                   each operation keeps for its backward, per layer and micro-batch), for the
-                   Llama layer that is named: no dropout, and an attention kernel that keeps
-                   nothing of size s x s (a flash kernel, or FlexAttention, torchtitan's default
-                   attention backend at b5bcd76, torchtitan/models/llama3/__init__.py,
-                   model_registry); RMSNorm, q and grouped k and v, SwiGLU's four tensors of width
-                   ffn (Model.kept_widths), in 16-bit elements, and float32 statistics. With
-                   tensor and sequence parallelism every one of them is s/t tokens, as
-                   Megatron-LM keeps them, gathering the column-parallel layers' inputs again in
-                   backward (Korthikanti et al., section 4.2.2); layers that keep the gathered
-                   inputs whole, as this course's sequence-parallel block does (lesson 08), keep
-                   2 (1 - 1/t) sbh elements more per layer. Without recomputation, and with
-                   selective recomputation (which recomputes attention's s x s core; a flash
+    activations    counted as Korthikanti et al. 2022 count them (section 4: the tensors each
+                   operation keeps for its backward, per layer and micro-batch; section 4.1 does it
+                   for a GPT layer), for the Llama layer that is named: no dropout, and an attention
+                   kernel that keeps nothing of size s x s (a flash kernel, or FlexAttention,
+                   torchtitan's default attention backend at b5bcd76,
+                   torchtitan/models/llama3/__init__.py, model_registry); RMSNorm, q and grouped k
+                   and v, SwiGLU's four tensors of width ffn (Model.kept_widths), in 16-bit
+                   elements, and float32 statistics. With tensor and sequence parallelism every one
+                   of them is cut t ways (by tokens outside the parallel regions, by heads or
+                   columns inside), as Megatron-LM keeps them, gathering the column-parallel layers'
+                   inputs again in backward (Korthikanti et al., section 4.2.2); layers that keep
+                   the gathered inputs whole, as this course's sequence-parallel block does (lesson
+                   08), keep 2 (1 - 1/t) sbh elements more per layer. Without recomputation, and
+                   with selective recomputation (which recomputes attention's s x s core; a flash
                    kernel keeps none), a layer keeps all of them; with attention="math" the
                    softmax's output is kept too (heads x s per token). With full recomputation a
-                   layer keeps only its input,
-                   s/t tokens of it with sequence parallelism (torchtitan's plan reduce-scatters
-                   each block's output to a shard of the tokens, torchtitan@b5bcd76,
-                   torchtitan/models/llama3/sharding.py; Megatron-LM refuses
+                   layer keeps only its input, s/t tokens of it with sequence parallelism
+                   (torchtitan's plan reduce-scatters each block's output to a shard of the tokens,
+                   torchtitan@b5bcd76, torchtitan/models/llama3/sharding.py; Megatron-LM refuses
                    distribute_saved_activations with sequence parallelism, the input being split
-                   already), and while one layer is recomputed in backward, that layer's tensors
-                   once. For the L / pp layers of the stage, times the micro-batches in flight on
-                   the first stage under 1F1B (lesson 09: pp - r on rank r, so pp). In float32
-                   training (precision="float32") every 16-bit tensor is 4 bytes
+                   already, NVIDIA/Megatron-LM@d98e8a6,
+                   megatron/core/transformer/transformer_config.py), and while one layer is
+                   recomputed in backward, that layer's tensors once. For the L / pp layers of the
+                   stage, times the micro-batches in flight on the first stage under 1F1B (lesson
+                   09: pp - r on rank r, so pp). In float32 training (precision="float32") every
+                   16-bit tensor is 4 bytes
     data parallel  the gradients (2 bytes, or 4 in float32 or with reduce_bytes=4), on a ring:
                    ZeRO 0 and 1 accumulate whole gradients over the m micro-batches of a step and
                    send them once (an all-reduce, or a reduce-scatter and an all-gather of the
@@ -51,15 +53,18 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    deepspeed/runtime/pipe/engine.py), and torch.distributed.pipelining keeps an
                    FSDP stage's weights and gradients whole between micro-batches
                    (torch/distributed/pipelining/stage.py)
-    tensor         lesson 08's layer_bytes_sent (four all-reduces of s b h per layer) for each layer
-                   of the stage and each micro-batch; under full recomputation the forward's two
-                   run again in backward, six in all
+    tensor         lesson 08's layer_bytes_sent (four all-reduces of s b h per layer: with sequence
+                   parallelism, an all-gather and a reduce-scatter for each) and one more, the
+                   all-gather of each column-parallel layer's input that Megatron-LM repeats in
+                   backward (Korthikanti et al., section 4.2.2), so five, for each layer of the
+                   stage and each micro-batch; under full recomputation the forward's two run
+                   again in backward, seven in all
     pipeline       each micro-batch's activation forward and its gradient back, this rank's s / t
                    tokens of it (with sequence parallelism, as Megatron-LM sends them), 2 bytes
                    each; a stage with neighbours on both sides sends both, an end stage one (the
                    busiest GPU is counted)
-The model shapes are torchtitan's (pytorch/torchtitan, torchtitan/models/llama3/__init__.py,
-llama3_configs "8B" and "70B"; the vocabulary from Llama3Model.Config in model.py), with their
+The model shapes are torchtitan's (pytorch/torchtitan@b5bcd76, torchtitan/models/llama3/
+__init__.py, llama3_configs "8B" and "70B", _8b() and _70b(), vocabulary 128,256), with their
 SwiGLU hidden size from compute_ffn_hidden_dim: int(1.3 int(2 4d / 3)) rounded up to a multiple of
 1024 (8B) or 4096 (70B). The memory per GPU is the H100 SXM's 80 GiB (S. Bekman, "Machine
 Learning Engineering", stas00/ml-engineering@744d01e, compute/accelerator/README.md: "the 80GiB
@@ -68,9 +73,10 @@ H100-SXM").
 inside a machine over NVLink 4, the rest between machines over one InfiniBand NDR400 port per GPU
 (all of it over NVLink when the layout fits in one machine of 8 GPUs); bandwidth only, nothing
 overlapped. It ranks the layouts; it is not a step time. Gradients are reduced in 2 bytes
-(Megatron Core's DistributedDataParallelConfig default, grad_reduce_in_fp32=False); Megatron-LM's
-training script with --bf16 reduces them in float32 unless given --grad-reduce-in-bf16, which
-doubles the data-parallel bytes.
+(Megatron Core's DistributedDataParallelConfig default, grad_reduce_in_fp32=False,
+NVIDIA/Megatron-LM@d98e8a6, megatron/core/distributed/distributed_data_parallel_config.py);
+Megatron-LM's training script with --bf16 reduces them in float32 unless given
+--grad-reduce-in-bf16 (megatron/training/arguments.py), which doubles the gradients' bytes.
 Left out, and sized by `left_out`: the logits, their float32 upcast and gradient, and ZeRO-3's
 gathered layers, whole gradients, embedding and head. Not sized: each operation's backward
 temporaries, the CUDA and NCCL context, the allocator's fragmentation, and the wait of a
@@ -211,9 +217,11 @@ def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int 
     reduce_scatters = 1 if deferred else micro_batches
     data = {0: 2 * gradients, 1: gradients + weights, 2: reduce_scatters * gradients + weights,
             3: 2 * micro_batches * weights + reduce_scatters * gradients}[layout.zero]
-    # four all-reduces per layer; full recomputation runs the forward's two again in backward
+    # four all-reduces' worth per layer, a fifth for the inputs gathered again in backward, and
+    # two more where full recomputation runs the forward again (module docstring)
+    all_reduces = 5 + (2 if recomputation == "full" else 0)
     tensor = layer_bytes_sent(seq_len, micro_batch, model.dim, layout.tp, element) * layers \
-        * micro_batches * (6 / 4 if recomputation == "full" else 1)
+        * micro_batches * all_reduces / 4
     messages = 0 if layout.pp == 1 else (1 if layout.pp == 2 else 2)
     pipeline = messages * tokens * model.dim * element * micro_batches
     memory = states["weights"] + states["gradients"] + states["optimizer"] + activations

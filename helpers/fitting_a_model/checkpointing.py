@@ -230,4 +230,4 @@ def composed_worker(rank, world_size, model, batches, setting):
         if layer.count(".") == 1 and reduced:
             in_block[layer] = reduced
     return {"parameters": strategies.full_parameters(module), "calls": calls, "kept": kept,
-            "block 0's backward all-reduces": in_block}
+            "block 0's backward all-reduces": dict(sorted(in_block.items()))}  # (a fixed order)
