@@ -140,9 +140,9 @@ def test_recomputation_under_fsdp2_and_tensor_parallelism():
     blocks, kept = 2, {}
     repeated = {"none": 0, "selective": 0, "full": blocks, "full, no early stop": 2 * blocks,
                 "op": 0}
+    runs = run(checkpointing.composed_worker, 4, args=(model, batches), show_output=False)
     for setting, extra in repeated.items():
-        out = run(checkpointing.composed_worker, 4, args=(model, batches, setting),
-                  show_output=False)
+        out = [by_setting[setting] for by_setting in runs]
         for result in out:
             for name, param in alone.items():  # float64: 2 steps of SGD, sums of 4 shards
                 torch.testing.assert_close(result["parameters"][name], param, rtol=1e-12,

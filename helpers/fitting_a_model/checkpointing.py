@@ -185,7 +185,14 @@ COMPOSED = {"none": ("none", True), "selective": ("selective", True), "full": ("
             "full, no early stop": ("full", False), "op": ("op", True)}
 
 
-def composed_worker(rank, world_size, model, batches, setting):
+def composed_worker(rank, world_size, model, batches, settings=tuple(COMPOSED)):
+    """{setting: composed_setting(...)} for each of `settings` (COMPOSED's keys), one after the
+    other in the same ranks."""
+    return {setting: composed_setting(rank, world_size, model, batches, setting)
+            for setting in settings}
+
+
+def composed_setting(rank, world_size, model, batches, setting):
     """dp x tp = world_size/2 x 2 (strategies.build "dp_tp": layouts.apply_dp_tp, tensor
     parallelism, then activation checkpointing as COMPOSED[setting] says, then FSDP2) trains on
     `batches` with SGD. Returns the whole parameters; the collectives of the last step, counted
