@@ -83,13 +83,14 @@ def recompute_in_backward(module: nn.Module, method: str = "forward", **options)
 
 def keep_products():
     """A policy for torch.utils.checkpoint's selective checkpointing, after torchtitan's op-level
-    one (pytorch/torchtitan@9dec370, torchtitan/parallelisms/parallelize_llama.py, `_save_list`
-    and `_custom_policy`): keep the output of every other matrix product (the first, the third,
+    one (pytorch/torchtitan@9dec370, torchtitan/parallelisms/parallelize_llama.py, `_save_list` and
+    `_custom_policy`): keep the output of every other matrix product (the first, the third,
     ...), of the attention kernels and of the collectives that end a tensor-parallel region
     (torchtitan's reduce-scatters; the all-reduces of lesson 08's plan); recompute everything
-    else. In torch 2.13 the policy is called in forward only, and the recomputation replays its
-    answers in order (torchtitan's counter for the recomputation served older releases). A new
-    one for each forward: it counts."""
+    else. (torchtitan also keeps `abs` and `max`, for Float8 training's scales.) In torch 2.13
+    the policy is called in forward only, and the recomputation replays its answers in order
+    (torchtitan's counter for the recomputation served older releases). A new one for each
+    forward: it counts."""
     products = 0
 
     def policy(context, op, *args, **kwargs):

@@ -75,8 +75,8 @@ inside a machine over NVLink 4, the rest between machines over one InfiniBand ND
 overlapped. It ranks the layouts; it is not a step time. Gradients are reduced in 2 bytes
 (Megatron Core's DistributedDataParallelConfig default, grad_reduce_in_fp32=False,
 NVIDIA/Megatron-LM@d98e8a6, megatron/core/distributed/distributed_data_parallel_config.py);
-Megatron-LM's training script with --bf16 reduces them in float32 unless given
---grad-reduce-in-bf16 (megatron/training/arguments.py), which doubles the gradients' bytes.
+Megatron-LM's training script with --bf16 reduces them in float32, twice the bytes on the wire,
+unless given --grad-reduce-in-bf16 (megatron/training/arguments.py).
 Left out, and sized by `left_out`: the logits, their float32 upcast and gradient, and ZeRO-3's
 gathered layers, whole gradients, embedding and head. Not sized: each operation's backward
 temporaries, the CUDA and NCCL context, the allocator's fragmentation, and the wait of a
@@ -277,10 +277,11 @@ def layouts(model: Model, gpus: int, max_tp: int = 8) -> list:
 
 
 def table(model: Model, gpus: int, **kwargs) -> list:
-    """(layout, projection) for every layout that fits in GPU_MEMORY, least link time first."""
+    """(layout, projection) for every layout that fits in GPU_MEMORY, least link time first (on
+    a tie, least memory first)."""
     rows = [(layout, project(model, layout, **kwargs)) for layout in layouts(model, gpus)]
     return sorted(((layout, row) for layout, row in rows if row["fits"]),
-                  key=lambda item: item[1]["seconds"])
+                  key=lambda item: (round(item[1]["seconds"], 9), item[1]["memory"]))
 
 
 def describe(model: Model, gpus: int, top: int = 5, **kwargs) -> str:
