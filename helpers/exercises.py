@@ -152,8 +152,10 @@ def _check_case(exercise, function, case):
             return _not_started(exercise)
         except Exception as error:  # noqa: BLE001 - the student's code may raise anything
             said = f": {error}" if str(error) else " (with no message)"
+            # a rank's error (a harness that runs ranks) carries that rank's traceback already
+            ranks = isinstance(error, (WorkerError, WorkerTimeout))
             return [f"For {where}, your function raised {type(error).__name__}{said}",
-                    *_learners_traceback(error, exercise)]
+                    *([] if ranks else _learners_traceback(error, exercise))]
         problem = _compare(got, exercise.expected(*case), exercise.names, exercise.rel_tol)
         if not problem:
             return None

@@ -53,3 +53,26 @@ def _first_rows_only(rank, world_size, w1, w2, x, y, tp):
 def test_a_failing_case_is_named_by_its_arguments():
     text = repr(exercises.check("dp_tp_step", _first_rows_only))
     assert text.endswith("The case: seed=3, tp=2."), text  # the first case, dp 3 x tp 2
+
+
+def _raises_on_a_rank(rank, world_size):
+    raise ValueError(f"rank {rank} gave up")
+
+
+def _harness_running_ranks(function):
+    from helpers import run
+
+    return run(function, 2, show_output=False)
+
+
+def test_a_ranks_error_inside_a_harness_shows_its_traceback_once():
+    """A plain exercise whose harness starts ranks (as `resumable`'s does): the rank's own
+    traceback, at the learner's line, once; none of the engine's frames."""
+    exercise = exercises.Exercise("a task", [()], lambda: None, distributed=False,
+                                  harness=_harness_running_ranks)
+    lines = exercises._check_case(exercise, _raises_on_a_rank, ())
+    text = "\n".join(lines)
+    assert lines[0].startswith("For the case , your function raised WorkerError: rank 0 raised "
+                               "ValueError: rank 0 gave up"), text
+    assert text.count("Traceback") == 1 and 'in _raises_on_a_rank' in text, text
+    assert "helpers/exercises.py" not in text, text
