@@ -10,6 +10,9 @@ nothing, so the slides cannot drift from the lessons.
 
 Heights are estimated from the cells' contents (a line of prose, of code, of output; a figure's
 pixels), for a 1280 x 720 screen: an estimate, which the real-browser test measures on one lesson.
+A code cell is never cut, so a long listing or a tall figure can still pass the screen: the
+notebook's RISE settings (`RISE`, in its metadata) make such a sub-slide scroll, so that its
+bottom is reached with the mouse wheel (RISE's default, `scroll: false`, would hide it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ SCREEN_WIDTH, BUDGET = 1280, 600  # pixels of a slide's content, below the slide
 PROSE_LINE, HEADING_LINE, BLANK_LINE = 26, 48, 12
 CODE_LINE, OUTPUT_LINE, CELL_MARGIN = 20, 18, 24
 WIDGET = 320  # a widget's area
+RISE = {"scroll": True}  # jupyterlab-rise's settings, in the notebook's metadata["rise"]
 
 
 def markdown_height(source: str) -> int:
@@ -168,6 +172,7 @@ def rewrite(path: str) -> None:
     with open(path) as file:
         notebook = json.load(file)
     notebook["cells"] = assign(split(notebook["cells"]))
+    notebook["metadata"]["rise"] = {**notebook["metadata"].get("rise", {}), **RISE}
     with open(path, "w") as file:
         json.dump(notebook, file, indent=1, ensure_ascii=False)
         file.write("\n")

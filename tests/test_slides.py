@@ -30,6 +30,13 @@ def test_the_committed_slides_are_what_the_tool_writes(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_every_lesson_lets_a_tall_sub_slide_scroll(path):
+    """RISE's default hides what passes the screen: each lesson asks for scrolling."""
+    assert json.loads(path.read_text())["metadata"].get("rise", {}).get("scroll") is True, (
+        f"run: python -m helpers.slides {path.relative_to(path.parent.parent)}")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_each_section_is_a_slide_and_each_sub_slide_fits(path):
     cells = json.loads(path.read_text())["cells"]
     for cell in cells:
