@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import tempfile
+import textwrap
 import traceback
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +36,8 @@ from helpers.launcher.report import (
     stable_message,
 )
 from helpers.rules import CallRecorder, RuleBroken
+
+HTML_WIDTH = 100  # characters a line of a checker's message takes, shown as HTML (_wrapped)
 
 
 @dataclass
@@ -87,7 +90,20 @@ class CheckResult:
 
         color = "#2e7d32" if self.passed else "#c62828"
         return (f"<pre style='border-left: 4px solid {color}; padding-left: 8px'>"
-                f"{html.escape(repr(self))}</pre>")
+                f"{html.escape(_wrapped(repr(self)))}</pre>")
+
+
+def _wrapped(text: str, width: int = HTML_WIDTH) -> str:
+    """Every line of `text` cut at `width` characters, its continuation indented under it: a
+    message's long lines must not run off a slide (JupyterLab's sanitizer drops the CSS that
+    would wrap them)."""
+    lines = []
+    for line in text.split("\n"):
+        indent = line[:len(line) - len(line.lstrip())]
+        lines.append(textwrap.fill(line, width, subsequent_indent=indent + "    ",
+                                   break_long_words=True, break_on_hyphens=False)
+                     if len(line) > width else line)
+    return "\n".join(lines)
 
 
 @functools.cache

@@ -190,6 +190,19 @@ PRESENT = ("(() => { const present = document.querySelectorAll('.reveal .slides 
            " return present[present.length - 1]; })()")
 
 
+def _settle(page, tries=15):
+    """Wait until the sub-slide on screen stops moving (Reveal's transition between slides
+    slides it in from the side), so that what is measured is where it rests."""
+    where = None
+    for _ in range(tries):
+        page.wait_for_timeout(100)
+        now = page.evaluate(f"() => {{ const r = {PRESENT}.getBoundingClientRect();"
+                            " return [r.left, r.top, r.width, r.height].map(Math.round); }")
+        if now == where:
+            return
+        where = now
+
+
 def test_lesson_06_as_slides_fits_the_screen_and_runs_a_cell(lab):
     """The lesson as RISE shows it (jupyterlab-rise's page, as Alt+R opens it) on a 1280 x 720
     screen: the slides helpers.slides wrote, each no taller than the screen but a code cell
@@ -209,10 +222,21 @@ def test_lesson_06_as_slides_fits_the_screen_and_runs_a_cell(lab):
                                   ".length, document.querySelectorAll("
                                   "'.reveal .slides section section').length]")
             assert count == [len(slides.slides(cells)), len(planned)]
-            too_tall, scrolled = [], []
+            too_tall, scrolled, too_wide = [], [], []
             for index, sub_slide in enumerate(planned):
-                page.wait_for_timeout(300)
+                _settle(page)
                 height = page.evaluate(f"() => {PRESENT}.scrollHeight")
+                # no output's text runs past the right edge of its box or of the screen
+                wide = page.evaluate(
+                    f"() => Array.from({PRESENT}.querySelectorAll('.jp-OutputArea-output'))"
+                    ".map(o => { const walker = document.createTreeWalker(o, NodeFilter.SHOW_TEXT);"
+                    " let right = 0; for (let n = walker.nextNode(); n; n = walker.nextNode()) {"
+                    " const range = document.createRange(); range.selectNodeContents(n);"
+                    " for (const r of range.getClientRects()) right = Math.max(right, r.right); }"
+                    f" return [Math.round(right), Math.round(Math.min(o.getBoundingClientRect()"
+                    f".right, {SCREEN['width']})), o.innerText.slice(0, 40)]; }})"
+                    ".filter(([text, edge]) => text > edge + 1)")
+                too_wide += [(index, *output) for output in wide]
                 alone = len(sub_slide) == 1 and sub_slide[0]["cell_type"] == "code"
                 if height > SCREEN["height"]:
                     # the wheel must bring its bottom into view (the notebook's RISE settings)
@@ -229,8 +253,11 @@ def test_lesson_06_as_slides_fits_the_screen_and_runs_a_cell(lab):
                         too_tall.append((index, height, "".join(sub_slide[0]["source"])[:60]))
                 page.keyboard.press("Space")
             print(f"{len(planned)} sub-slides at {SCREEN['width']} x {SCREEN['height']}; taller "
-                  f"than the screen (index, px, bottom reached by the wheel): {scrolled}")
+                  f"than the screen (index, px, bottom reached by the wheel): {scrolled}; "
+                  f"outputs whose text passes their box's or the screen's right edge (text, edge, "
+                  f"start): {too_wide}")
             assert too_tall == []
+            assert too_wide == []
 
             page.goto(f"{base}/rise/{SLIDES_LESSON}?token={token}")  # back to the start
             page.locator(".reveal .slides > section").first.wait_for(timeout=60_000)

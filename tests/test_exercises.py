@@ -2,6 +2,8 @@
 exercise, and knows every exercise by name. Each lesson's test file shows that its checkers reject
 typical mistakes (tests/checker.py)."""
 
+import html
+
 import pytest
 import torch
 from checker import not_started
@@ -76,3 +78,16 @@ def test_a_ranks_error_inside_a_harness_shows_its_traceback_once():
                                "ValueError: rank 0 gave up"), text
     assert text.count("Traceback") == 1 and 'in _raises_on_a_rank' in text, text
     assert "helpers/exercises.py" not in text, text
+
+
+def test_a_message_shown_as_html_is_cut_to_the_width_of_a_slide():
+    """JupyterLab's sanitizer drops CSS that would wrap a <pre>: the lines are cut instead, each
+    continuation indented under its line, and nothing is lost but the line breaks added."""
+    result = exercises.CheckResult("an_exercise", False,
+                                   ["word " * 60, "  File \"mine.py\", line 3, in f", "x" * 250])
+    shown = result._repr_html_()
+    body = html.unescape(shown[shown.index(">") + 1:shown.rindex("</pre>")])
+    assert max(len(line) for line in body.split("\n")) <= exercises.HTML_WIDTH
+    assert body.split() == repr(result).replace("x" * 250, " ".join(
+        ["x" * 100, "x" * 96, "x" * 54])).split()  # the long word cut, with the indent's width
+    assert '  File "mine.py", line 3, in f' in body.split("\n")
