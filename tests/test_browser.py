@@ -223,8 +223,15 @@ def test_lesson_06_as_slides_fits_the_screen_and_runs_a_cell(lab):
                                   "'.reveal .slides section section').length]")
             assert count == [len(slides.slides(cells)), len(planned)]
             too_tall, scrolled, too_wide = [], [], []
+            firsts, count = set(), 0  # a new slide slides in from the side: wait till it rests
+            for slide in slides.slides(cells):
+                firsts.add(count)
+                count += len(slide)
             for index, sub_slide in enumerate(planned):
-                _settle(page)
+                if index in firsts:
+                    _settle(page)
+                else:  # a sub-slide moves up, not across
+                    page.wait_for_timeout(300)
                 height = page.evaluate(f"() => {PRESENT}.scrollHeight")
                 # no output's text runs past the right edge of its box or of the screen
                 wide = page.evaluate(
