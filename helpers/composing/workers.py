@@ -5,11 +5,10 @@ modules: experts.moe_worker, weights' transfer workers, ring_attention's."""
 from __future__ import annotations
 
 import copy
-import logging
 
 import torch.distributed as dist
 
-from helpers import reference
+from helpers import reference, strategies
 from helpers.composing.hybrid import LMStage
 from helpers.composing.mesh import Grid, new_groups
 from helpers.data_parallelism.ddp import DDP, average_gradients
@@ -104,10 +103,7 @@ def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
     layouts = {name: (param.device_mesh.mesh_dim_names, tuple(map(repr, param.placements)),
                       tuple(param.to_local().shape))
                for name, param in model.named_parameters()}
-    # Gathering fully_shard's strided pieces takes two all-gathers, which DTensor warns about on
-    # every rank: true, and of no interest here.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    full = {name: param.full_tensor().detach().cpu() for name, param in model.named_parameters()}
+    full = strategies.full_parameters(model)  # (it quiets DTensor's two-all-gather warning)
     pieces = {name: param.to_local().detach().cpu() for name, param in model.named_parameters()}
     return {"losses": losses, "parameters": full, "layouts": layouts, "pieces": pieces}
 

@@ -81,9 +81,10 @@ def kept_formula(s: int, b: int, h: int, a: int, mode: str, attention: str = "fl
     flash kernel its output and log-sum-exp (the math kernel's products are not kept)."""
     if mode == "full":
         return 4 * s * b * h
-    if mode == "op":
-        kept = 4 * s * b * h * (1 + 1 + 1 + 4)
-        return kept + (4 * s * b * h + 4 * b * a * s if attention == "flash" else 0)
+    if mode == "op" and attention == "flash":  # one rank of one: no all-reduce to keep
+        return int(kept_under_tensor_parallelism(s, b, h, a, 1, "op"))
+    if mode == "op":  # without the flash kernel's output and log-sum-exp
+        return 4 * s * b * h * (1 + 1 + 1 + 4)
     whole = sum(block_formula(s, b, h, a).values())
     logsumexp, probabilities = 4 * b * a * s, 4 * b * a * s * s
     if mode == "selective":
