@@ -24,10 +24,16 @@ import sys
 import uuid
 
 SCREEN_WIDTH, BUDGET = 1280, 600  # pixels of a slide's content, below the slide's margins
-PROSE_LINE, HEADING_LINE, BLANK_LINE = 26, 48, 12
-CODE_LINE, OUTPUT_LINE, CELL_MARGIN = 20, 18, 24
+# At notebooks/rise.css's sizes: prose 18 px (a line of 110 characters at most), code and outputs
+# 16 px in lines of 22.4 px (an output line of 115 characters at most).
+PROSE_LINE, HEADING_LINE, BLANK_LINE, PROSE_WIDTH = 26, 48, 12, 110
+CODE_LINE, OUTPUT_LINE, OUTPUT_WIDTH = 23, 23, 115
+CELL_MARGIN, OUTPUT_MARGIN = 30, 8
 WIDGET = 320  # a widget's area
-RISE = {"scroll": True}  # jupyterlab-rise's settings, in the notebook's metadata["rise"]
+# jupyterlab-rise's settings, in the notebook's metadata["rise"]: a sub-slide taller than the
+# screen scrolls, and each starts at the screen's top (centred, one whose cells grow as they run
+# live would stay where its committed height put it, its end below the screen).
+RISE = {"scroll": True, "center": False}
 
 
 def markdown_height(source: str) -> int:
@@ -38,7 +44,7 @@ def markdown_height(source: str) -> int:
         elif line.startswith("#"):
             height += HEADING_LINE
         else:
-            height += PROSE_LINE * (1 + len(line) // 110)
+            height += PROSE_LINE * (1 + len(line) // PROSE_WIDTH)
     return height
 
 
@@ -47,20 +53,24 @@ def _png_height(data: str) -> int:
     return int(height * min(1.0, (SCREEN_WIDTH - 80) / width))
 
 
+def _text_height(text: str) -> int:
+    return OUTPUT_LINE * sum(1 + len(line) // OUTPUT_WIDTH for line in text.splitlines())
+
+
 def output_height(output: dict) -> int:
     if "text" in output:
-        text = "".join(output["text"])
-        return OUTPUT_LINE * sum(1 + len(line) // 140 for line in text.splitlines())
+        return OUTPUT_MARGIN + _text_height("".join(output["text"]))
     data = output.get("data", {})
     if "image/png" in data:
-        return _png_height(data["image/png"])
+        return OUTPUT_MARGIN + _png_height(data["image/png"])
     if "application/vnd.jupyter.widget-view+json" in data:
         return WIDGET
-    if "text/html" in data:  # show_code's source (its text/plain), or a progress bar
-        lines = "".join(data.get("text/plain", "")).count("\n") + 1
-        return max(OUTPUT_LINE * 2, CODE_LINE * lines)
+    if "text/html" in data:  # show_code's source, a checker's message (its lines), a progress bar
+        lines = max("".join(data.get("text/plain", "")).count("\n"),
+                    "".join(data["text/html"]).count("\n")) + 1
+        return OUTPUT_MARGIN + max(OUTPUT_LINE * 2, CODE_LINE * lines)
     text = "".join(data.get("text/plain", ""))
-    return OUTPUT_LINE * (text.count("\n") + 1) if text else 0
+    return OUTPUT_MARGIN + _text_height(text) if text else 0
 
 
 def cell_height(cell: dict) -> int:

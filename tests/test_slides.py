@@ -57,7 +57,8 @@ def test_a_figure_counts_its_own_pixels():
     fig.savefig(buffer, format="png")
     plt.close(fig)
     output = {"data": {"image/png": base64.b64encode(buffer.getvalue()).decode()}}
-    assert slides.output_height(output) == 300
+    assert slides._png_height(output["data"]["image/png"]) == 300
+    assert slides.output_height(output) == 300 + slides.OUTPUT_MARGIN
 
 
 def test_prose_is_cut_at_headings_and_paragraphs_but_not_inside_code():
@@ -70,3 +71,11 @@ def test_prose_is_cut_at_headings_and_paragraphs_but_not_inside_code():
                                    for piece in pieces)
     assert "".join(piece.replace("\n", "") for piece in pieces[1:]) == (
         f"### Next\n\n{long}".replace("\n", ""))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_no_cell_draws_two_figures(path):
+    """Two figures in one cell make a sub-slide no screen holds: each gets its own cell."""
+    for cell in json.loads(path.read_text())["cells"]:
+        figures = sum("image/png" in output.get("data", {}) for output in cell.get("outputs", []))
+        assert figures <= 1, "".join(cell["source"])[:80]
