@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab test soak other-cpu ci test-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present test soak other-cpu slides ci test-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -17,6 +17,10 @@ $(INSTALLED): requirements.txt pyproject.toml
 # JupyterLab refuses to run as root (containers, cloud VMs) unless told it may.
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
+
+# A lesson as slides, from a fresh copy in presenting/ (docs/presenting.md): `make present LESSON=06`
+present: setup
+	$(PY) -m helpers.present $(or $(LESSON),$(error say which lesson: make present LESSON=06))
 
 # The tiers: each is one pytest run on two workers (pytest-xdist; much of a test's time is ranks
 # waiting for each other or for a timeout, which the other worker fills). Each file, a notebook's
@@ -34,14 +38,20 @@ ALL := $(SLOWEST_FIRST) $(filter-out $(SLOWEST_FIRST),$(NOTEBOOKS) $(wildcard te
 ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_point.ipynb \
 	notebooks/04_measuring_communication.ipynb notebooks/12_checkpoints_and_failures.ipynb
 
-# Does the course work? The linter, every test but the soaks, every notebook against its
-# committed outputs (nbval), the slides in a real browser.
+# Does the course work? The linter, every test but the soaks and the slides, every notebook
+# against its committed outputs (nbval), two lessons in JupyterLab in a real browser.
 test: setup lint
-	$(PYTEST) -m "not soak and not gpu" $(NBVAL) $(ALL)
+	$(PYTEST) -m "not soak and not gpu and not slides" $(NBVAL) $(ALL)
 
 # Rare faults, slow by design: repetition, races between processes, real torchrun jobs.
 soak: setup
 	$(PYTEST) -m soak tests
+
+# Every lesson as an instructor presents it: RISE's slides in Chromium at 1280 x 720, each
+# lesson's first widget run live and moved (tests/test_browser.py). One lesson a test, spread
+# over both workers; each prints what it measured (-rA shows it).
+slides: setup
+	$(PYTEST) --dist load -rA -m slides tests/test_browser.py
 
 # Another CPU's rounding: PyTorch's kernels without vector instructions sum in other orders. The
 # tests marked numerical (not those marked once, nor the checkers': messages) and the notebooks
@@ -58,7 +68,7 @@ test-gpu: setup
 	$(PY) -m pytest -m gpu -v tests/test_gpu.py
 
 # Every tier on this Python (.ci/run adds another Python's).
-ci: test soak other-cpu
+ci: test soak other-cpu slides
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
 # launcher's tests (its soaks included) and one notebook. `make test-python PYTHON=python3.13`

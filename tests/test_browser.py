@@ -6,6 +6,7 @@ download does not work here. Without Chromium this test is skipped, and says why
 Screenshots: test-artifacts/browser/ (the path is printed).
 """
 
+import ast
 import json
 import os
 import secrets
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import slides
+from helpers import present, slides
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -27,6 +28,8 @@ SCREENSHOTS = REPO / "test-artifacts" / "browser"
 # Chromium as root in a sandbox, with no background traffic (the network is closed here).
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium); "
@@ -44,18 +47,14 @@ def lab(tmp_path):
     """JupyterLab on loopback with a token, serving copies of the lessons, with its own settings.
     One per test: a server shared by the tests restores the last test's tabs into the next page,
     whose locators then find the other lesson's cells."""
-    for name in ("01_processes_and_groups.ipynb", "05_how_all_reduce_works.ipynb",
-                 "06_data_parallelism.ipynb"):
-        shutil.copy(REPO / "notebooks" / name, tmp_path / name)
+    for path in LESSONS + [REPO / "notebooks" / "rise.css"]:
+        shutil.copy(path, tmp_path / path.name)
     port, token = _free_port(), secrets.token_hex(16)
     private = {name: str(tmp_path / f".{name.lower()}") for name in (
         "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR")}
     log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed in the finally below
-    # No "Jupyter news?" toast over the page: the user setting, in this server's settings dir.
-    notification = Path(private["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "apputils-extension"
-    notification.mkdir(parents=True)
-    (notification / "notification.jupyterlab-settings").write_text(
-        '{"fetchNews": "false", "checkForUpdates": false}')
+    # The settings `make present` gives the slideshow (an interrupt shortcut; no news toast)
+    present.write_settings(Path(private["JUPYTERLAB_SETTINGS_DIR"]))
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
@@ -75,7 +74,7 @@ def lab(tmp_path):
                     tail = (tmp_path / "jupyterlab.log").read_text()[-2000:]
                     raise RuntimeError(f"JupyterLab did not start within 60 s:\n{tail}") from None
                 time.sleep(0.5)
-        yield base, token
+        yield base, token, private["JUPYTER_RUNTIME_DIR"]
     finally:
         server.terminate()
         try:
@@ -93,7 +92,7 @@ def page(lab):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            yield browser.new_page(viewport={"width": 1400, "height": 1000}), lab
+            yield browser.new_page(viewport={"width": 1400, "height": 1000}), lab[:2]
         finally:
             browser.close()
 
@@ -183,11 +182,57 @@ def test_lesson_05_stepper_slider_redraws_the_ring(page):
     _screenshot(page, "05_stepper_step_1")
 
 
-SLIDES_LESSON = "06_data_parallelism.ipynb"
 SCREEN = {"width": 1280, "height": 720}
+# notebooks/rise.css's sizes: no text on a slide is smaller (the cells' prompts aside)
+PROSE_PX, CODE_PX = 18, 16
 # The sub-slide on screen (RISE nests a slide's sub-slides: the innermost present one)
 PRESENT = ("(() => { const present = document.querySelectorAll('.reveal .slides section.present');"
            " return present[present.length - 1]; })()")
+# On the sub-slide on screen: its height, the outputs whose text passes their box's or the
+# screen's right edge, and the smallest text and prose (font size in px, where).
+MEASURE = f"""() => {{
+  const present = {PRESENT};
+  const texts = (root) => {{
+    const found = [], walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {{
+      const parent = node.parentElement;
+      if (node.textContent.trim() && parent.getClientRects().length
+          && !parent.closest('.jp-InputPrompt, .jp-OutputPrompt, mjx-container, sub, sup')) {{
+        found.push(node);
+      }}
+    }}
+    return found;
+  }};
+  const right = (node) => {{  // of its words: a space that ends a wrapped line may hang past
+    const range = document.createRange();
+    let most = 0;
+    for (const word of node.textContent.matchAll(/\\S+/g)) {{
+      range.setStart(node, word.index);
+      range.setEnd(node, word.index + word[0].length);
+      most = Math.max(most, range.getBoundingClientRect().right);
+    }}
+    return most;
+  }};
+  const wide = Array.from(present.querySelectorAll('.jp-OutputArea-output')).map(output => [
+      Math.round(Math.max(0, ...texts(output).map(right))),
+      Math.round(Math.min(output.getBoundingClientRect().right, {SCREEN["width"]})),
+      output.innerText.slice(0, 40)]).filter(([text, edge]) => text > edge + 1);
+  let smallest = [1000, ''];
+  for (const node of texts(present)) {{
+    const size = parseFloat(getComputedStyle(node.parentElement).fontSize);
+    if (size < smallest[0]) smallest = [size, node.textContent.trim().slice(0, 40) + ' in <'
+        + node.parentElement.tagName.toLowerCase() + ' class="' + node.parentElement.className
+        + '"> of ' + (node.parentElement.closest('.jp-Cell') || present).className];
+  }}
+  let prose = [1000, ''];  // the markdown's text, its code and tables aside
+  for (const node of texts(present)) {{
+    if (!node.parentElement.closest('.jp-RenderedMarkdown')
+        || node.parentElement.closest('pre, code, table')) continue;
+    const size = parseFloat(getComputedStyle(node.parentElement).fontSize);
+    if (size < prose[0]) prose = [size, node.textContent.trim().slice(0, 40)];
+  }}
+  return {{height: present.scrollHeight, wide: wide, smallest: smallest, prose: prose}};
+}}"""
 
 
 def _settle(page, tries=15):
@@ -203,86 +248,230 @@ def _settle(page, tries=15):
         where = now
 
 
-def test_lesson_06_as_slides_fits_the_screen_and_runs_a_cell(lab):
-    """The lesson as RISE shows it (jupyterlab-rise's page, as Alt+R opens it) on a 1280 x 720
-    screen: the slides helpers.slides wrote, each no taller than the screen but a code cell
-    alone, whose bottom the mouse wheel brings into view; and a code cell run inside them."""
+def _bottom_reached(page, height):
+    """Turn the mouse wheel over the sub-slide: is its end then on the screen?"""
+    page.mouse.move(SCREEN["width"] / 2, SCREEN["height"] / 2)
+    page.mouse.wheel(0, height)
+    page.wait_for_timeout(500)
+    return page.evaluate(
+        f"() => {{ const s = {PRESENT}; return s.getBoundingClientRect().bottom"
+        f" <= {SCREEN['height']} && s.scrollTop + s.clientHeight >= s.scrollHeight - 1; }}")
+
+
+def _open_slides(page, base, token, lesson):
+    page.goto(f"{base}/rise/{lesson}?token={token}")
+    page.locator(".reveal .slides > section").first.wait_for(timeout=60_000)
+    page.wait_for_timeout(1500)
+
+
+def _needs(cells, index):
+    """The code cells before cell `index` that define, directly or through each other, the
+    names it uses: what must run before it (by the names each cell assigns, imports or defines)."""
+    def names(source):
+        used, defined = set(), set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Name):
+                (defined if isinstance(node.ctx, ast.Store) else used).add(node.id)
+            elif isinstance(node, ast.alias):
+                defined.add((node.asname or node.name).split(".")[0])
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+        return used, defined
+
+    wanted, chosen = names("".join(cells[index]["source"]))[0], []
+    for earlier in range(index - 1, -1, -1):
+        if cells[earlier]["cell_type"] != "code":
+            continue
+        used, defined = names("".join(cells[earlier]["source"]))
+        if defined & wanted:
+            chosen.append(earlier)
+            wanted = (wanted - defined) | used
+    return sorted(chosen)
+
+
+def _run_in_kernel(base, token, runtime_dir, lesson, sources):
+    """Run `sources` in the kernel the slideshow started for `lesson`, as another client of it:
+    the cells a widget needs, without stepping the slides through them."""
+    from jupyter_client import BlockingKernelClient
+
+    deadline = time.monotonic() + 60
+    while True:
+        with urllib.request.urlopen(f"{base}/api/sessions?token={token}", timeout=5) as reply:
+            kernels = [session["kernel"]["id"] for session in json.load(reply)
+                       if session["path"] == lesson]
+        if kernels or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert kernels, f"the slideshow started no kernel for {lesson}"
+    client = BlockingKernelClient()
+    client.load_connection_file(str(Path(runtime_dir) / f"kernel-{kernels[0]}.json"))
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        for source in sources:
+            reply = client.execute_interactive(source, timeout=120, output_hook=lambda _: None)
+            content = reply["content"]
+            assert content["status"] == "ok", (
+                f"{source[:80]!r}: {content.get('ename')}: {content.get('evalue')}")
+    finally:
+        client.stop_channels()
+
+
+def _move_a_widget(page, base, token, runtime_dir, lesson, cells, plan):
+    """Run the lesson's first widget live in the slides, drag its first slider: does its picture
+    change? Returns (the widget's sub-slide index, its height, bottom reached) for the record."""
+    widget = next(index for index, cell in enumerate(cells) if any(
+        "application/vnd.jupyter.widget-view+json" in output.get("data", {})
+        for output in cell.get("outputs", [])))
+    _run_in_kernel(base, token, runtime_dir, lesson,
+                   ["".join(cells[index]["source"]) for index in _needs(cells, widget)])
+    where = next((h, v) for h, slide in enumerate(slides.slides(cells))
+                 for v, sub_slide in enumerate(slide) if any(cell is cells[widget]
+                                                             for cell in sub_slide))
+    place = [sub_slide for slide in slides.slides(cells) for sub_slide in slide].index(
+        slides.slides(cells)[where[0]][where[1]])
+    _open_slides(page, base, token, lesson)
+    page.evaluate(f"() => {{ window.location.hash = '#/slide-{where[0]}-{where[1]}'; }}")
+    _settle(page)
+    page.wait_for_timeout(500)
+    codes = [cell for cell in plan[place] if cell["cell_type"] == "code"]
+    position = next(k for k, code in enumerate(codes) if code is cells[widget])
+    cell = page.evaluate_handle(f"() => {PRESENT}.querySelectorAll('.jp-CodeCell')[{position}]")
+    assert "".join(cells[widget]["source"]).splitlines()[-1] in cell.inner_text()
+    cell.query_selector(".cm-content").click()
+    page.keyboard.press("Control+Enter")
+    handle = cell.wait_for_selector(".noUi-handle", timeout=60_000)
+    before = cell.wait_for_selector(".widget-output img", timeout=60_000).get_attribute("src")
+    _screenshot(page, f"{lesson[:2]}_slides_widget_before")
+    box = handle.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    page.mouse.move(x + 60, y, steps=6)
+    page.mouse.up()
+    page.wait_for_function(
+        "([cell, before]) => { const image = cell.querySelector('.widget-output img');"
+        " return image && image.getAttribute('src') !== before; }", arg=[cell, before],
+        timeout=60_000)
+    _screenshot(page, f"{lesson[:2]}_slides_widget_after")
+    height = page.evaluate(f"() => {PRESENT}.scrollHeight")
+    return place, height, height <= SCREEN["height"] or _bottom_reached(page, height)
+
+
+@pytest.mark.slides
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name[:2])
+def test_the_lesson_as_slides(lab, lesson):
+    """The lesson as RISE shows it (jupyterlab-rise's page, as Alt+R or `make present` opens it)
+    on a 1280 x 720 screen, with notebooks/rise.css: the slides helpers.slides wrote; each no
+    taller than the screen but a code cell alone, whose bottom the mouse wheel brings into view;
+    no output's text past the right edge; no text smaller than rise.css's sizes; and, where the
+    lesson has an ipywidget, the first one run live in the slides, its slider moved, redraws."""
     from playwright.sync_api import sync_playwright
 
-    base, token = lab
-    cells = json.loads((REPO / "notebooks" / SLIDES_LESSON).read_text())["cells"]
-    planned = [sub_slide for slide in slides.slides(cells) for sub_slide in slide]
+    base, token, runtime_dir = lab
+    cells = json.loads(lesson.read_text())["cells"]
+    plan = [sub_slide for slide in slides.slides(cells) for sub_slide in slide]
+    firsts, count = set(), 0  # a new slide slides in from the side: wait till it rests
+    for slide in slides.slides(cells):
+        firsts.add(count)
+        count += len(slide)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=SCREEN)
-            page.goto(f"{base}/rise/{SLIDES_LESSON}?token={token}")
-            page.locator(".reveal .slides > section").first.wait_for(timeout=60_000)
+            _open_slides(page, base, token, lesson.name)
             count = page.evaluate("() => [document.querySelectorAll('.reveal .slides > section')"
                                   ".length, document.querySelectorAll("
                                   "'.reveal .slides section section').length]")
-            assert count == [len(slides.slides(cells)), len(planned)]
+            assert count == [len(slides.slides(cells)), len(plan)]
             too_tall, scrolled, too_wide = [], [], []
-            firsts, count = set(), 0  # a new slide slides in from the side: wait till it rests
-            for slide in slides.slides(cells):
-                firsts.add(count)
-                count += len(slide)
-            for index, sub_slide in enumerate(planned):
+            smallest = prose = (1000, "")
+            for index, sub_slide in enumerate(plan):
                 if index in firsts:
                     _settle(page)
                 else:  # a sub-slide moves up, not across
                     page.wait_for_timeout(300)
-                height = page.evaluate(f"() => {PRESENT}.scrollHeight")
-                # no output's text runs past the right edge of its box or of the screen
-                wide = page.evaluate(
-                    f"() => Array.from({PRESENT}.querySelectorAll('.jp-OutputArea-output'))"
-                    ".map(o => { const walker = document.createTreeWalker(o, NodeFilter.SHOW_TEXT);"
-                    " let right = 0; for (let n = walker.nextNode(); n; n = walker.nextNode()) {"
-                    " const range = document.createRange(); range.selectNodeContents(n);"
-                    " for (const r of range.getClientRects()) right = Math.max(right, r.right); }"
-                    f" return [Math.round(right), Math.round(Math.min(o.getBoundingClientRect()"
-                    f".right, {SCREEN['width']})), o.innerText.slice(0, 40)]; }})"
-                    ".filter(([text, edge]) => text > edge + 1)")
-                too_wide += [(index, *output) for output in wide]
-                alone = len(sub_slide) == 1 and sub_slide[0]["cell_type"] == "code"
+                measured = page.evaluate(MEASURE)
+                too_wide += [(index, *output) for output in measured["wide"]]
+                smallest = min(smallest, tuple(measured["smallest"]))
+                prose = min(prose, tuple(measured["prose"]))
+                height = measured["height"]
                 if height > SCREEN["height"]:
-                    # the wheel must bring its bottom into view (the notebook's RISE settings)
-                    page.mouse.move(SCREEN["width"] / 2, SCREEN["height"] / 2)
-                    page.mouse.wheel(0, height)
-                    page.wait_for_timeout(500)
-                    # its box inside the screen, and scrolled to its end
-                    bottom = page.evaluate(
-                        f"() => {{ const s = {PRESENT}; return s.getBoundingClientRect().bottom"
-                        f" <= {SCREEN['height']} && s.scrollTop + s.clientHeight >= "
-                        "s.scrollHeight - 1; }")
+                    bottom = _bottom_reached(page, height)
                     scrolled.append((index, height, bottom))
+                    alone = len(sub_slide) == 1 and sub_slide[0]["cell_type"] == "code"
                     if not (alone and bottom):
                         too_tall.append((index, height, "".join(sub_slide[0]["source"])[:60]))
                 page.keyboard.press("Space")
-            print(f"{len(planned)} sub-slides at {SCREEN['width']} x {SCREEN['height']}; taller "
-                  f"than the screen (index, px, bottom reached by the wheel): {scrolled}; "
-                  f"outputs whose text passes their box's or the screen's right edge (text, edge, "
-                  f"start): {too_wide}")
-            assert too_tall == []
-            assert too_wide == []
-
-            page.goto(f"{base}/rise/{SLIDES_LESSON}?token={token}")  # back to the start
-            page.locator(".reveal .slides > section").first.wait_for(timeout=60_000)
-            page.wait_for_timeout(2000)
-            page.keyboard.press("Space")  # the imports, a code cell
-            cell = page.locator(".reveal section.present .jp-CodeCell").last.element_handle()
-            prompt = cell.query_selector(".jp-InputPrompt")
-            assert "from helpers.data_parallelism import" in cell.inner_text()
-            # Run it twice in the slides (Ctrl+Enter stays on the cell): a fresh kernel counts
-            # 1 and then 2, where the committed notebook says 1
-            for _ in range(2):
-                cell.query_selector(".cm-content").click()
-                page.keyboard.press("Control+Enter")
-                page.wait_for_function("prompt => /\\[[0-9]+\\]/.test(prompt.textContent)",
-                                       arg=prompt, timeout=120_000)
-            page.wait_for_function("prompt => prompt.textContent.includes('[2]')", arg=prompt,
-                                   timeout=120_000)
-            _screenshot(page, "06_slide_cell_run")
+            widget = None
+            if any("application/vnd.jupyter.widget-view+json" in output.get("data", {})
+                   for cell in cells for output in cell.get("outputs", [])):
+                widget = _move_a_widget(page, base, token, runtime_dir, lesson.name, cells, plan)
         finally:
             browser.close()
+    print(f"{lesson.name}: {len(plan)} sub-slides at {SCREEN['width']} x {SCREEN['height']}; "
+          f"taller than the screen (index, px, bottom reached by the wheel): {scrolled}; "
+          f"outputs past the right edge (index, text's right, edge, start): {too_wide}; "
+          f"smallest text: {smallest[0]:g} px ({smallest[1]!r}), prose: {prose[0]:g} px "
+          f"({prose[1]!r}); a widget run live and moved "
+          f"(sub-slide, px, bottom reached): {widget}")
+    assert too_tall == []
+    assert too_wide == []
+    assert smallest[0] >= CODE_PX, smallest
+    assert prose[0] >= PROSE_PX, prose
+    assert widget is None or widget[2], widget
 
+
+@pytest.mark.slides
+def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
+    """docs/presenting.md's advice, in the slideshow: a launch whose ranks never return is
+    interrupted by Esc, I, I (the shortcut helpers.present adds), long before the launcher's
+    timeout; the next launch then runs."""
+    from playwright.sync_api import sync_playwright
+
+    base, token, _ = lab
+    source = ("import time\n\nfrom helpers.launcher import run\n\n\n"
+              "def stuck(rank, world_size):\n    time.sleep(600)\n\n\n"
+              "def rank_of(rank, world_size):\n    return rank\n\n\nrun(stuck, 2)")
+    cells = [{"cell_type": "markdown", "source": "# A hang", "metadata": {}},
+             {"cell_type": "code", "source": source, "metadata": {}, "outputs": [],
+              "execution_count": None},
+             {"cell_type": "code", "source": "print('next:', [run(rank_of, 2)[r] for r in (0, 1)])",
+              "metadata": {}, "outputs": [], "execution_count": None}]
+    for cell in slides.assign(cells):
+        cell["id"] = secrets.token_hex(4)
+    (tmp_path / "hang.ipynb").write_text(json.dumps({
+        "cells": cells, "nbformat": 4, "nbformat_minor": 5, "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                           "language": "python"}, "rise": slides.RISE}}))
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=SCREEN)
+            _open_slides(page, base, token, "hang.ipynb")
+            page.keyboard.press("Space")
+            page.wait_for_timeout(1000)
+            code = page.evaluate_handle(f"() => {PRESENT}.querySelectorAll('.jp-CodeCell')")
+            hung, after = code.evaluate_handle("cells => cells[0]"), code.evaluate_handle(
+                "cells => cells[1]")
+            hung.query_selector(".cm-content").click()
+            page.keyboard.press("Control+Enter")
+            # the workers have started and wait: the launch is under way, its prompt says [*]
+            page.wait_for_timeout(8000)
+            assert "[*]" in hung.query_selector(".jp-InputPrompt").inner_text()
+            started = time.monotonic()
+            page.keyboard.press("Escape")
+            page.keyboard.press("i")
+            page.keyboard.press("i")
+            page.wait_for_function("cell => /\\[[0-9]+\\]/.test(cell.querySelector("
+                                   "'.jp-InputPrompt').textContent)", arg=hung, timeout=20_000)
+            stopped = time.monotonic() - started
+            assert "KeyboardInterrupt" in hung.inner_text()
+            after.query_selector(".cm-content").click()
+            page.keyboard.press("Control+Enter")
+            page.wait_for_function("cell => cell.innerText.includes('next: [0, 1]')", arg=after,
+                                   timeout=60_000)
+            print(f"Esc, I, I stopped a hung launch in {stopped:.1f} s (the launcher's own "
+                  "timeout: 60 s); the next launch ran")
+        finally:
+            browser.close()

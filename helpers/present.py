@@ -1,0 +1,113 @@
+"""Present a lesson as slides, from a copy: `make present LESSON=06`.
+
+The slideshow saves the outputs of the cells run in it into the notebook it shows. So it shows a
+copy, made afresh from the committed lesson each time in `presenting/` (which git ignores), with
+`notebooks/rise.css` beside it, and the course is left as it was. The copy opens in
+jupyterlab-rise's own page, `/rise/<notebook>`: the slides alone, at the browser's full width.
+
+    python -m helpers.present 06 [--port 8890] [--no-browser]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+import webbrowser
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPO / "notebooks"
+# JupyterLab settings for the slideshow (JUPYTERLAB_SETTINGS_DIR): jupyterlab-rise's page has no
+# shortcut to interrupt the kernel, so it gets JupyterLab's own (I, I in command mode); and no
+# "Jupyter news?" notice over the slides.
+SETTINGS = {
+    "@jupyterlab/shortcuts-extension/shortcuts.jupyterlab-settings": {"shortcuts": [
+        {"command": "notebook:interrupt-kernel", "keys": ["I", "I"],
+         "selector": ".jp-Notebook.jp-mod-commandMode :focus"}]},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false", "checkForUpdates": False},
+}
+
+
+def write_settings(directory: Path) -> Path:
+    """SETTINGS, as files in `directory` (to be the server's JUPYTERLAB_SETTINGS_DIR)."""
+    for name, value in SETTINGS.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(json.dumps(value, indent=1))
+    return directory
+
+
+def lesson_path(lesson: str) -> Path:
+    """The committed notebook of lesson `lesson` ("06", "6" or its file name)."""
+    names = sorted(path.name for path in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    number = lesson.split("_")[0].removesuffix(".ipynb")
+    found = [name for name in names if number.isdigit() and name[:2] == f"{int(number):02d}"]
+    if len(found) != 1:
+        raise SystemExit(f"no lesson {lesson!r}; the lessons are: "
+                         + ", ".join(name[:2] for name in names))
+    return NOTEBOOKS / found[0]
+
+
+def copy(lesson: str, into: Path) -> Path:
+    """A fresh copy of the lesson and the slides' style sheet in `into`; the copy's path."""
+    source = lesson_path(lesson)
+    into.mkdir(parents=True, exist_ok=True)
+    shutil.copy(NOTEBOOKS / "rise.css", into / "rise.css")
+    shutil.copy(source, into / source.name)
+    return into / source.name
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("lesson", help='the lesson\'s number, "06"')
+    parser.add_argument("--port", type=int, default=8890)
+    parser.add_argument("--no-browser", action="store_true", help="print the address only")
+    options = parser.parse_args(argv)
+    notebook = copy(options.lesson, REPO / "presenting")
+    token = secrets.token_hex(16)
+    url = f"http://127.0.0.1:{options.port}/rise/{notebook.name}?token={token}"
+    print(f"Presenting a copy: {notebook.relative_to(REPO)} (the lesson itself is untouched).\n"
+          f"Slides: {url}\n"
+          "Full screen: F11 in the browser. Next slide: Space; previous: Shift+Space.\n"
+          "Run a cell: click into it, then Shift+Enter. Stop a running cell: Esc, then I twice.\n"
+          "Stop presenting: Ctrl+C here.",
+          flush=True)
+    command = [sys.executable, "-m", "jupyterlab_rise", "--no-browser",
+               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={options.port}",
+               "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+               f"--ServerApp.root_dir={notebook.parent}"]
+    if os.name == "posix" and os.geteuid() == 0:  # containers, cloud VMs
+        command.append("--allow-root")
+    settings = write_settings(notebook.parent / ".settings")
+    server = subprocess.Popen(command, cwd=notebook.parent,
+                              env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings)})
+    try:
+        if not options.no_browser and _wait_until_up(options.port, token, server):
+            webbrowser.open(url)
+        return server.wait()
+    except KeyboardInterrupt:  # the server stops its kernels on the same Ctrl+C
+        return server.wait()
+
+
+def _wait_until_up(port: int, token: str, server: subprocess.Popen, tries: int = 120) -> bool:
+    """Has the server answered within `tries` half-seconds (and not exited)?"""
+    for _ in range(tries):
+        if server.poll() is not None:
+            return False
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
+            return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
