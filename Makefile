@@ -19,8 +19,13 @@ lab: setup
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # A lesson as slides, from a fresh copy in presenting/ (docs/presenting.md): `make present LESSON=06`
+ifneq ($(filter present,$(MAKECMDGOALS)),)
+ifeq ($(LESSON),)
+$(error say which lesson: make present LESSON=06)
+endif
+endif
 present: setup
-	$(PY) -m helpers.present $(or $(LESSON),$(error say which lesson: make present LESSON=06))
+	$(PY) -m helpers.present $(LESSON)
 
 # The tiers: each is one pytest run on two workers (pytest-xdist; much of a test's time is ranks
 # waiting for each other or for a timeout, which the other worker fills). Each file, a notebook's

@@ -5,7 +5,7 @@ copy, made afresh from the committed lesson each time in `presenting/` (which gi
 `notebooks/rise.css` beside it, and the course is left as it was. The copy opens in
 jupyterlab-rise's own page, `/rise/<notebook>`: the slides alone, at the browser's full width.
 
-    python -m helpers.present 06 [--port 8890] [--no-browser]
+    python -m helpers.present 06 [--port 8890] [--directory presenting] [--no-browser]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -67,33 +68,56 @@ def copy(lesson: str, into: Path) -> Path:
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("lesson", help='the lesson\'s number, "06"')
-    parser.add_argument("--port", type=int, default=8890)
+    parser.add_argument("--port", type=int, default=0, help="the server's (default: a free one)")
+    parser.add_argument("--directory", type=Path, default=REPO / "presenting",
+                        help="where the copy goes (default: presenting/)")
     parser.add_argument("--no-browser", action="store_true", help="print the address only")
     options = parser.parse_args(argv)
-    notebook = copy(options.lesson, REPO / "presenting")
-    token = secrets.token_hex(16)
-    url = f"http://127.0.0.1:{options.port}/rise/{notebook.name}?token={token}"
-    print(f"Presenting a copy: {notebook.relative_to(REPO)} (the lesson itself is untouched).\n"
+    notebook = copy(options.lesson, options.directory)
+    port, token = options.port or _free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}/rise/{notebook.name}?token={token}"
+    print(f"Presenting a copy: {notebook} (the lesson itself is untouched).\n"
           f"Slides: {url}\n"
-          "Full screen: F11 in the browser. Next slide: Space; previous: Shift+Space.\n"
+          "Full screen: F11 (macOS: Ctrl+Cmd+F). Next: Space; back: Shift+Space.\n"
           "Run a cell: click into it, then Shift+Enter. Stop a running cell: Esc, then I twice.\n"
-          "Stop presenting: Ctrl+C here.",
-          flush=True)
+          "Stop presenting: Ctrl+C here.", flush=True)
     command = [sys.executable, "-m", "jupyterlab_rise", "--no-browser",
-               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={options.port}",
+               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
                "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               f"--ServerApp.root_dir={notebook.parent}"]
+               f"--ServerApp.root_dir={notebook.parent}",
+               "--ServerApp.answer_yes=True"]  # Ctrl+C stops it and its kernels, no question
     if os.name == "posix" and os.geteuid() == 0:  # containers, cloud VMs
         command.append("--allow-root")
     settings = write_settings(notebook.parent / ".settings")
     server = subprocess.Popen(command, cwd=notebook.parent,
                               env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings)})
     try:
-        if not options.no_browser and _wait_until_up(options.port, token, server):
-            webbrowser.open(url)
-        return server.wait()
-    except KeyboardInterrupt:  # the server stops its kernels on the same Ctrl+C
-        return server.wait()
+        if _wait_until_up(port, token, server):
+            if not options.no_browser:
+                webbrowser.open(url)
+        elif server.poll() is None:
+            print("The slides' server has not answered within 60 s.", flush=True)
+        code = server.wait()
+    except KeyboardInterrupt:  # the terminal's Ctrl+C reaches the server too, which stops
+        code = _wait_through_interrupts(server)
+    if code:
+        print(f"The slides' server stopped with exit code {code} (its messages are above).",
+              file=sys.stderr, flush=True)
+    return code
+
+
+def _wait_through_interrupts(server: subprocess.Popen) -> int:
+    while True:
+        try:
+            return server.wait()
+        except KeyboardInterrupt:
+            continue
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _wait_until_up(port: int, token: str, server: subprocess.Popen, tries: int = 120) -> bool:

@@ -9,7 +9,8 @@ screen is cut between paragraphs (never inside a fenced code block); every cell 
 nothing, so the slides cannot drift from the lessons.
 
 Heights are estimated from the cells' contents (a line of prose, of code, of output; a figure's
-pixels), for a 1280 x 720 screen: an estimate, which the real-browser test measures on one lesson.
+pixels), for a 1280 x 720 screen at notebooks/rise.css's text sizes: an estimate, which the
+slides tier (`make slides`, tests/test_browser.py) measures in a real browser for every lesson.
 A code cell is never cut, so a long listing or a tall figure can still pass the screen: the
 notebook's RISE settings (`RISE`, in its metadata) make such a sub-slide scroll, so that its
 bottom is reached with the mouse wheel (RISE's default, `scroll: false`, would hide it).
@@ -31,9 +32,10 @@ CODE_LINE, OUTPUT_LINE, OUTPUT_WIDTH = 23, 23, 115
 CELL_MARGIN, OUTPUT_MARGIN = 30, 8
 WIDGET = 320  # a widget's area
 # jupyterlab-rise's settings, in the notebook's metadata["rise"]: a sub-slide taller than the
-# screen scrolls, and each starts at the screen's top (centred, one whose cells grow as they run
-# live would stay where its committed height put it, its end below the screen).
-RISE = {"scroll": True, "center": False}
+# screen scrolls; each starts at the screen's top (centred, one whose cells grow as they run live
+# would stay where its committed height put it, its end below the screen); and the next one is
+# simply there, without sliding in (a code-heavy slide is read, not watched while it moves).
+RISE = {"scroll": True, "center": False, "transition": "none"}
 
 
 def markdown_height(source: str) -> int:

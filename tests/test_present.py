@@ -2,6 +2,12 @@
 slides' style sheet, with the settings that give it an interrupt shortcut."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -33,3 +39,37 @@ def test_the_settings_bind_i_i_to_the_kernels_interrupt(tmp_path):
                             / "shortcuts.jupyterlab-settings").read_text())["shortcuts"]
     assert [(s["command"], s["keys"]) for s in shortcuts] == [
         ("notebook:interrupt-kernel", ["I", "I"])]
+
+
+def test_make_present_serves_the_copy_and_stops_at_ctrl_c(tmp_path):
+    """The command itself: the address it prints serves the copy's slides and the style sheet,
+    and Ctrl+C (SIGINT, to it and the server, as a terminal sends it) stops both."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "helpers.present", "01", "--no-browser", "--directory",
+         str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        url = None
+        for line in process.stdout:
+            if line.startswith("Slides: "):
+                url = line.split()[1]
+                break
+        assert url and "/rise/01_processes_and_groups.ipynb?token=" in url, url
+        for _ in range(120):
+            try:
+                with urllib.request.urlopen(url, timeout=2) as page:
+                    assert page.status == 200
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError(f"nothing answered at {url} within 60 s")
+        base, token = url.split("/rise/")[0], url.split("token=")[1]
+        with urllib.request.urlopen(f"{base}/files/rise.css?token={token}", timeout=5) as css:
+            assert css.read().decode() == (present.NOTEBOOKS / "rise.css").read_text()
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

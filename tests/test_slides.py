@@ -30,9 +30,11 @@ def test_the_committed_slides_are_what_the_tool_writes(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_every_lesson_lets_a_tall_sub_slide_scroll(path):
-    """RISE's default hides what passes the screen: each lesson asks for scrolling."""
-    assert json.loads(path.read_text())["metadata"].get("rise", {}).get("scroll") is True, (
+def test_every_lesson_has_the_tools_rise_settings(path):
+    """RISE's default hides what passes the screen, and centres a sub-slide where its committed
+    height puts it: each lesson asks for scrolling, and for sub-slides at the screen's top."""
+    assert slides.RISE["scroll"] is True and slides.RISE["center"] is False
+    assert json.loads(path.read_text())["metadata"].get("rise") == slides.RISE, (
         f"run: python -m helpers.slides {path.relative_to(path.parent.parent)}")
 
 
