@@ -126,8 +126,9 @@ def _wait_until_up(port: int, token: str, server: subprocess.Popen, tries: int =
         if server.poll() is not None:
             return False
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
-            return True
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}",
+                                        timeout=2):
+                return True
         except OSError:
             time.sleep(0.5)
     return False
