@@ -1,6 +1,8 @@
 """The course's Llama (helpers.llama) against the projection's accounting (lessons 10-11):
 its parameter counts, and the bytes one block keeps for backward, measured."""
 
+import functools
+
 import torch
 
 from helpers import llama
@@ -26,3 +28,19 @@ def test_a_bfloat16_block_keeps_what_the_projection_counts():
     norm_inputs = 2 * tokens * model.dim * 2  # two norms, their 16-bit inputs
     assert measured["float32 copies"] == 2 * 2 * tokens * model.dim * 4
     assert measured["per token"] + norm_inputs == model.kept_per_token(element=2) * tokens
+
+
+def test_apply_ac_checkpoints_each_layer_of_a_llama_not_the_whole_model():
+    """layouts.apply_ac finds a Llama's blocks in `layers` (a TinyLM's are `blocks`): each is
+    recomputed on its own in backward, as torchtitan checkpoints each transformer block. (Taken
+    for one block, the whole model would be recomputed at once, every layer gathered by FSDP.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    from helpers import layouts
+
+    model = layouts.apply_ac(llama.Llama(llama.Shape(layers=2, dim=64, heads=4, kv_heads=2,
+                                                     ffn=128, vocab=32)), "full")
+    assert "forward" not in vars(model)  # the model's own forward is untouched
+    for layer in model.layers:
+        patched = vars(layer)["forward"]
+        assert isinstance(patched, functools.partial) and patched.func is checkpoint
