@@ -107,14 +107,14 @@ def keep_products():
 
 def apply_ac(model: nn.Module, mode: str = "full", *, every: int = 1) -> nn.Module:
     """Checkpoint the blocks of `model` (a TinyLM's `blocks`, a Llama's `layers`, or `model`
-    itself, one block): "full" recomputes the whole
-    block from its input, "selective" only its attention core, "op" what `keep_products` does
-    not keep, "none" nothing. `every` = k: only every k-th block, counted from 1 (the blocks at
-    indices k - 1, 2k - 1, ..., as torchtitan@9dec370's layer-level selective checkpointing
-    counts them); the others keep everything. Returns model."""
+    itself, one block): "full" recomputes the whole block from its input, "selective" only its
+    attention core, "op" what `keep_products` does not keep, "none" nothing. `every` = k: only
+    every k-th block, counted from 1 (the blocks at indices k - 1, 2k - 1, ..., as
+    torchtitan@9dec370's layer-level selective checkpointing counts them); the others keep
+    everything. Returns model."""
     if mode not in AC_MODES + ("op",):
         raise ValueError(f"mode must be one of {AC_MODES + ('op',)}, got {mode!r}")
-    for index, block in enumerate(_blocks(model)):
+    for index, block in enumerate(getattr(model, "blocks", getattr(model, "layers", [model]))):
         if (index + 1) % every:
             continue
         if mode == "full":
@@ -125,11 +125,6 @@ def apply_ac(model: nn.Module, mode: str = "full", *, every: int = 1) -> nn.Modu
             recompute_in_backward(block, context_fn=lambda: create_selective_checkpoint_contexts(
                 keep_products()))
     return model
-
-
-def _blocks(model: nn.Module):
-    """A transformer's blocks: a TinyLM's `blocks`, a Llama's `layers`; else the model is one."""
-    return getattr(model, "blocks", getattr(model, "layers", [model]))
 
 
 def fsdp_units(model: nn.Module, unit: str = "block") -> list:
