@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import inspect
 import math
 import threading
@@ -496,7 +497,10 @@ def created_storages():
 
 def alive_bytes(created: list, leave_out=()) -> int:
     """The bytes of the distinct storages in a `created_storages` record that are still alive,
-    less those of the tensors in `leave_out` (parameters, the output one holds)."""
+    less those of the tensors in `leave_out` (parameters, the output one holds). Garbage is
+    collected first: a tensor held only by a reference cycle (a checkpointed region's frames)
+    would otherwise count until the collector happens to run."""
+    gc.collect()
     left_out = {tensor.untyped_storage().data_ptr() for tensor in leave_out}
     alive = {}
     for reference in created:
