@@ -333,20 +333,21 @@ def _run_in_kernel(base, token, runtime_dir, lesson, sources):
 
 
 def _move_a_widget(page, base, token, runtime_dir, lesson, cells, plan):
-    """Run the lesson's first widget live in the slides, drag its first slider: does its picture
-    change? Returns (the widget's sub-slide index, its height, bottom reached) for the record."""
+    """Run the lesson's first widget live in the slides, drag its first slider: do its value and
+    its picture change? Returns, for the record, the widget's sub-slide (its index in `plan`),
+    that sub-slide's height, whether its bottom is on the screen or reached by the wheel, and the
+    slider's value before and after."""
     widget = next(index for index, cell in enumerate(cells) if any(
         "application/vnd.jupyter.widget-view+json" in output.get("data", {})
         for output in cell.get("outputs", [])))
     _run_in_kernel(base, token, runtime_dir, lesson,
                    ["".join(cells[index]["source"]) for index in _needs(cells, widget)])
-    where = next((h, v) for h, slide in enumerate(slides.slides(cells))
-                 for v, sub_slide in enumerate(slide) if any(cell is cells[widget]
-                                                             for cell in sub_slide))
-    place = [sub_slide for slide in slides.slides(cells) for sub_slide in slide].index(
-        slides.slides(cells)[where[0]][where[1]])
+    places = [(h, v) for h, slide in enumerate(slides.slides(cells)) for v in range(len(slide))]
+    place = next(index for index, sub_slide in enumerate(plan)
+                 if any(cell is cells[widget] for cell in sub_slide))
     _open_slides(page, base, token, lesson)
-    page.evaluate(f"() => {{ window.location.hash = '#/slide-{where[0]}-{where[1]}'; }}")
+    page.evaluate(f"() => {{ window.location.hash = '#/slide-{places[place][0]}-"
+                  f"{places[place][1]}'; }}")
     _settle(page)
     page.wait_for_timeout(500)
     codes = [cell for cell in plan[place] if cell["cell_type"] == "code"]
