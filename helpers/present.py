@@ -74,7 +74,7 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--no-browser", action="store_true", help="print the address only")
     options = parser.parse_args(argv)
     notebook = copy(options.lesson, options.directory)
-    port, token = options.port or _free_port(), secrets.token_hex(16)
+    port, token = options.port or free_port(), secrets.token_hex(16)
     url = f"http://127.0.0.1:{port}/rise/{notebook.name}?token={token}"
     print(f"Presenting a copy: {notebook} (the lesson itself is untouched).\n"
           f"Slides: {url}\n"
@@ -92,7 +92,7 @@ def main(argv: list | None = None) -> int:
     server = subprocess.Popen(command, cwd=notebook.parent,
                               env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings)})
     try:
-        if _wait_until_up(port, token, server):
+        if wait_until_up(port, token, server):
             if not options.no_browser:
                 webbrowser.open(url)
         elif server.poll() is None:
@@ -114,14 +114,16 @@ def _wait_through_interrupts(server: subprocess.Popen) -> int:
             continue
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def _wait_until_up(port: int, token: str, server: subprocess.Popen, tries: int = 120) -> bool:
-    """Has the server answered within `tries` half-seconds (and not exited)?"""
+def wait_until_up(port: int, token: str, server: subprocess.Popen, tries: int = 120) -> bool:
+    """Has the Jupyter server on `port` answered within `tries` half-seconds, while `server` (its
+    process, or the one that started it) has not exited?"""
     for _ in range(tries):
         if server.poll() is not None:
             return False

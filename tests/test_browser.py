@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -41,12 +40,6 @@ pytestmark = pytest.mark.skipif(
     "the real-browser test needs it")
 
 
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def lab(tmp_path):
     """JupyterLab on loopback with a token, serving copies of the lessons, with its own settings.
@@ -54,7 +47,7 @@ def lab(tmp_path):
     whose locators then find the other lesson's cells."""
     for path in LESSONS + [REPO / "notebooks" / "rise.css"]:
         shutil.copy(path, tmp_path / path.name)
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = present.free_port(), secrets.token_hex(16)
     private = {name: str(tmp_path / f".{name.lower()}") for name in (
         "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR")}
     log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed in the finally below
@@ -69,16 +62,9 @@ def lab(tmp_path):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    tail = (tmp_path / "jupyterlab.log").read_text()[-2000:]
-                    raise RuntimeError(f"JupyterLab did not start within 60 s:\n{tail}") from None
-                time.sleep(0.5)
+        if not present.wait_until_up(port, token, server):
+            tail = (tmp_path / "jupyterlab.log").read_text()[-2000:]
+            raise RuntimeError(f"JupyterLab did not start within 60 s:\n{tail}")
         yield base, token, private["JUPYTER_RUNTIME_DIR"]
     finally:
         server.terminate()

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -55,16 +54,11 @@ def test_make_present_serves_the_copy_and_stops_at_ctrl_c(tmp_path):
                 url = line.split()[1]
                 break
         assert url and "/rise/01_processes_and_groups.ipynb?token=" in url, url
-        for _ in range(120):
-            try:
-                with urllib.request.urlopen(url, timeout=2) as page:
-                    assert page.status == 200
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError(f"nothing answered at {url} within 60 s")
         base, token = url.split("/rise/")[0], url.split("token=")[1]
+        assert present.wait_until_up(int(base.rsplit(":", 1)[1]), token, process), (
+            f"nothing answered at {base} within 60 s")
+        with urllib.request.urlopen(url, timeout=5) as page:
+            assert page.status == 200
         with urllib.request.urlopen(f"{base}/files/rise.css?token={token}", timeout=5) as css:
             assert css.read().decode() == (present.NOTEBOOKS / "rise.css").read_text()
         os.killpg(process.pid, signal.SIGINT)
