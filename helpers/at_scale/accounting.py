@@ -1,0 +1,68 @@
+"""One training step, accounted for by PyTorch's own tools, on real ranks or on fake ones.
+
+A fake rank is one process that plays rank r of N: `init_process_group("fake")` (PyTorch's
+`FakeProcessGroup`: every collective returns at once, its buffers untouched) and, for sizes this
+machine cannot hold, `FakeTensorMode` (tensors with shapes and no storage). The same worker runs
+on real gloo ranks at a small size, where the accounting can be checked against reality.
+
+- `fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_size=None)`: a Llama
+  (helpers.llama) laid out by `layouts.apply_fsdp` over all ranks, one AdamW step to create the
+  optimizer's state, then one step under `FSDPMemTracker` (the peak bytes of this rank, by kind)
+  and one under `CommDebugMode` (the collectives, by op). Returns {"peak": {kind: bytes},
+  "collectives": {op: count}}. With `fake_world_size`, the process (launched alone, with
+  init_group=False) plays rank 0 of that many, under FakeTensorMode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+def join_fake_group(world_size: int, rank: int = 0) -> None:
+    """This process plays rank `rank` of `world_size` in a fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_size=None):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from helpers import layouts
+    from helpers.llama import Llama
+
+    fake = fake_world_size is not None
+    if fake:  # this one process plays rank 0 of fake_world_size
+        join_fake_group(fake_world_size)
+        world_size = fake_world_size
+    mesh = init_device_mesh("cpu", (world_size,))
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        torch.manual_seed(0)
+        model = layouts.apply_fsdp(Llama(shape, max_seq_len=seq_len), mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, shape.vocab, (batch, seq_len))
+
+        def step():
+            loss = model(tokens).float().logsumexp(-1).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()  # the optimizer's state exists from here on
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((tokens,))
+        with tracker:
+            step()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        with CommDebugMode() as comm:
+            step()
+    return {"peak": {getattr(kind, "value", kind): size for kind, size in peak.items()},
+            "collectives": {str(op): count for op, count in comm.get_comm_counts().items()}}

@@ -1,0 +1,51 @@
+"""Lesson 13 (work in progress): a step on fake ranks is accounted for exactly as on real ones,
+and what PyTorch's tools report equals its formula."""
+
+import pytest
+
+from helpers.at_scale.accounting import fsdp_accounting_worker
+from helpers.launcher import run
+from helpers.llama import Llama, Shape
+
+SHAPE = Shape(layers=2, dim=256, heads=8, kv_heads=2, ffn=768, vocab=1024)
+WORLD, BATCH, SEQ = 4, 2, 128
+
+
+@pytest.fixture(scope="module")
+def real_and_fake():
+    real = run(fsdp_accounting_worker, WORLD, args=(SHAPE, BATCH, SEQ), show_output=False,
+               timeout=300)
+    fake = run(fsdp_accounting_worker, 1, args=(SHAPE, BATCH, SEQ),
+               kwargs={"fake_world_size": WORLD}, init_group=False, show_output=False,
+               timeout=300)
+    return real, fake[0]
+
+
+def test_fake_ranks_account_for_a_step_as_real_ranks_do(real_and_fake):
+    real, fake = real_and_fake
+    assert all(real[rank] == real[0] for rank in range(WORLD))  # even shards: every rank alike
+    assert fake == real[0]
+
+
+def test_the_bytes_fsdp_holds_equal_their_formula(real_and_fake):
+    _, fake = real_and_fake
+    model = Llama(SHAPE, max_seq_len=SEQ)
+    total = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    root = total - SHAPE.layers * layer  # embeddings, final norm, head: the root unit
+    peak = fake["peak"]
+    assert peak["Sharded Param"] == 4 * total // WORLD
+    # AdamW: two float32 moments per element, and a float32 step count per parameter tensor
+    assert peak["OptState"] == 2 * 4 * total // WORLD + 4 * len(list(model.parameters()))
+    # at the peak (in backward): the root and one block gathered, the next block prefetched
+    assert peak["Unsharded Param"] == 4 * (root + layer)
+    assert peak["All Gather"] == 4 * layer
+
+
+def test_the_collectives_of_a_step_equal_their_count(real_and_fake):
+    _, fake = real_and_fake
+    layers = SHAPE.layers
+    # all-gathers: the root and every block in forward, every block again in backward (each is
+    # resharded after its forward, the root is not); one reduce-scatter per unit
+    assert fake["collectives"] == {"c10d._allgather_base_": 2 * layers + 1,
+                                   "c10d._reduce_scatter_base_": layers + 1}
