@@ -49,3 +49,17 @@ def test_the_collectives_of_a_step_equal_their_count(real_and_fake):
     # resharded after its forward, the root is not); one reduce-scatter per unit
     assert fake["collectives"] == {"c10d._allgather_base_": 2 * layers + 1,
                                    "c10d._reduce_scatter_base_": layers + 1}
+
+
+def test_the_bytes_sent_equal_the_ring_formula(real_and_fake):
+    """The course's Observer counts what each call sends on a ring: (N - 1) / N of the array."""
+    real, fake = real_and_fake
+    assert fake["calls"] == real[0]["calls"] == {"all_gather_single": 2 * SHAPE.layers + 1,
+                                                 "reduce_scatter_single": SHAPE.layers + 1}
+    model = Llama(SHAPE, max_seq_len=SEQ)
+    total = 4 * sum(p.numel() for p in model.parameters())
+    layer = 4 * sum(p.numel() for p in model.layers[0].parameters())
+    gathered = total + SHAPE.layers * layer  # everything in forward, the blocks again in backward
+    assert fake["sent"] == real[0]["sent"] == {
+        "all_gather_single": (WORLD - 1) / WORLD * gathered,
+        "reduce_scatter_single": (WORLD - 1) / WORLD * total}

@@ -30,13 +30,15 @@ def join_fake_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_size=None):
+def fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_size=None, *,
+                           recompute="none", bf16=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from helpers import layouts
+    from helpers import instrument, layouts
     from helpers.llama import Llama
 
     fake = fake_world_size is not None
@@ -44,9 +46,13 @@ def fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_s
         join_fake_group(fake_world_size)
         world_size = fake_world_size
     mesh = init_device_mesh("cpu", (world_size,))
+    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32)} if bf16 else {}
     with FakeTensorMode() if fake else contextlib.nullcontext():
         torch.manual_seed(0)
-        model = layouts.apply_fsdp(Llama(shape, max_seq_len=seq_len), mesh)
+        model = Llama(shape, max_seq_len=seq_len)
+        layouts.apply_ac(model, recompute)
+        layouts.apply_fsdp(model, mesh, **options)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tokens = torch.randint(0, shape.vocab, (batch, seq_len))
 
@@ -64,5 +70,8 @@ def fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_s
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         with CommDebugMode() as comm:
             step()
+        with instrument.Observer() as observer:
+            step()
     return {"peak": {getattr(kind, "value", kind): size for kind, size in peak.items()},
-            "collectives": {str(op): count for op, count in comm.get_comm_counts().items()}}
+            "collectives": {str(op): count for op, count in comm.get_comm_counts().items()},
+            "calls": observer.calls(), "sent": observer.sent()}
