@@ -63,3 +63,20 @@ def test_the_bytes_sent_equal_the_ring_formula(real_and_fake):
     assert fake["sent"] == real[0]["sent"] == {
         "all_gather_single": (WORLD - 1) / WORLD * gathered,
         "reduce_scatter_single": (WORLD - 1) / WORLD * total}
+
+
+def test_data_times_tensor_parallel_on_fake_ranks_as_on_real_ones():
+    """dp 2 x tp 2: the peak, PyTorch's count of every collective (FSDP's and the functional
+    all-reduces of tensor parallelism) and the bytes sent, on 4 fake ranks as on 4 real ones."""
+    from helpers.at_scale.accounting import dp_tp_accounting_worker
+
+    real = run(dp_tp_accounting_worker, WORLD, args=(SHAPE, BATCH, SEQ, 2, 2),
+               show_output=False, timeout=300)
+    fake = run(dp_tp_accounting_worker, 1, args=(SHAPE, BATCH, SEQ, 2, 2),
+               kwargs={"fake": True}, init_group=False, show_output=False, timeout=300)[0]
+    assert all(real[rank] == real[0] for rank in range(WORLD))
+    assert fake == real[0]
+    # per block: forward all-reduces the outputs of wo and w2; backward, the input gradient of
+    # each column-wise projection on its own (wq, wk, wv; w1, w3): 7, where Megatron's f sums
+    # the three (two) first and all-reduces once
+    assert fake["collectives"]["c10d_functional.all_reduce"] == 7 * SHAPE.layers

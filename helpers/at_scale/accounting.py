@@ -75,3 +75,67 @@ def fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_s
     return {"peak": {getattr(kind, "value", kind): size for kind, size in peak.items()},
             "collectives": {str(op): count for op, count in comm.get_comm_counts().items()},
             "calls": observer.calls(), "sent": observer.sent()}
+
+
+# torchtitan's plan for a Llama block without sequence parallelism (pytorch/torchtitan@9dec370,
+# torchtitan/models/llama/parallelize_llama.py, apply_tp): the projections into heads and into the
+# MLP column-wise, the projections back row-wise.
+LLAMA_TP = {"attention.wq": "column", "attention.wk": "column", "attention.wv": "column",
+            "attention.wo": "row", "feed_forward.w1": "column", "feed_forward.w3": "column",
+            "feed_forward.w2": "row"}
+
+
+def dp_tp_accounting_worker(rank, world_size, shape, batch, seq_len, dp, tp, fake=False):
+    """A Llama on a ("dp", "tp") mesh: LLAMA_TP over "tp", then FSDP2 over "dp"; as
+    fsdp_accounting_worker, with PyTorch's MemTracker (FSDPMemTracker does not know DTensor
+    parameters). Under the fake group the model is made in FakeTensorMode but laid out outside
+    it: the mesh computes its coordinates from real tensors (`nonzero`, which FakeTensorMode
+    cannot run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from helpers import instrument, layouts
+    from helpers.llama import Llama
+
+    if fake:
+        join_fake_group(dp * tp)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode:
+        torch.manual_seed(0)
+        model = Llama(shape, max_seq_len=seq_len)
+    plan = {name: ColwiseParallel() if style == "column" else RowwiseParallel()
+            for name, style in LLAMA_TP.items()}
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+    layouts.apply_fsdp(model, mesh["dp"])
+    with mode:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, shape.vocab, (batch, seq_len))
+
+        def step():
+            loss = model(tokens).float().logsumexp(-1).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer, tokens)
+        with tracker:
+            step()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        with CommDebugMode() as comm:
+            step()
+        with instrument.Observer() as observer:
+            step()
+    return {"peak": {getattr(kind, "value", kind): size for kind, size in peak.items()},
+            "collectives": {str(op): count for op, count in comm.get_comm_counts().items()},
+            "calls": observer.calls(), "sent": observer.sent()}
