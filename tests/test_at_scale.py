@@ -80,3 +80,15 @@ def test_data_times_tensor_parallel_on_fake_ranks_as_on_real_ones():
     # each column-wise projection on its own (wq, wk, wv; w1, w3): 7, where Megatron's f sums
     # the three (two) first and all-reduces once
     assert fake["collectives"]["c10d_functional.all_reduce"] == 7 * SHAPE.layers
+
+
+@pytest.mark.parametrize("options", [{"recompute": "full"}, {"recompute": "op"},
+                                     {"recompute": "full", "bf16": True}],
+                         ids=["full", "op", "full-bf16"])
+def test_recomputation_on_fake_ranks_as_on_real_ones(options):
+    real = run(fsdp_accounting_worker, WORLD, args=(SHAPE, BATCH, SEQ), kwargs=options,
+               show_output=False, timeout=300)
+    fake = run(fsdp_accounting_worker, 1, args=(SHAPE, BATCH, SEQ),
+               kwargs={"fake_world_size": WORLD, **options}, init_group=False,
+               show_output=False, timeout=300)[0]
+    assert fake == real[0]
