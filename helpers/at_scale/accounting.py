@@ -5,12 +5,18 @@ A fake rank is one process that plays rank r of N: `init_process_group("fake")` 
 machine cannot hold, `FakeTensorMode` (tensors with shapes and no storage). The same worker runs
 on real gloo ranks at a small size, where the accounting can be checked against reality.
 
-- `fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_size=None)`: a Llama
-  (helpers.llama) laid out by `layouts.apply_fsdp` over all ranks, one AdamW step to create the
-  optimizer's state, then one step under `FSDPMemTracker` (the peak bytes of this rank, by kind)
-  and one under `CommDebugMode` (the collectives, by op). Returns {"peak": {kind: bytes},
-  "collectives": {op: count}}. With `fake_world_size`, the process (launched alone, with
+- `fsdp_accounting_worker(rank, world_size, shape, batch, seq_len, fake_world_size=None, *,
+  recompute="none", bf16=False)`: a Llama (helpers.llama), checkpointed by `layouts.apply_ac`
+  (`recompute`), laid out by `layouts.apply_fsdp` over all ranks (`bf16`: FSDP2's
+  MixedPrecisionPolicy, bfloat16 compute, gradients reduced in float32); one AdamW step to create
+  the optimizer's state, then one step under `FSDPMemTracker` (this rank's peak bytes, by kind),
+  one under `CommDebugMode` (PyTorch's count of the collectives, by op) and one under the course's
+  `instrument.Observer` (the calls, and the bytes this rank sends by the cost model's ring).
+  Returns {"peak": {kind: bytes}, "collectives": {op: count}, "calls": {name: count},
+  "sent": {name: bytes}}. With `fake_world_size`, the process (launched alone, with
   init_group=False) plays rank 0 of that many, under FakeTensorMode.
+- `dp_tp_accounting_worker(rank, world_size, shape, batch, seq_len, dp, tp, fake=False)`: the same
+  on a ("dp", "tp") mesh, torchtitan's tensor-parallel plan (LLAMA_TP) and then FSDP2.
 """
 
 from __future__ import annotations
