@@ -11,6 +11,8 @@ them where they first use them.
   reshard_after_forward, ...) go to every call.
 - `apply_tp(model, mesh, sequence_parallel=False)`: `parallelize_module` on each block of a
   TinyLM, with lesson 08's plan (tensor_parallelism.megatron.torch_plan).
+- `apply_llama_tp(model, mesh, loss_parallel=True)`: tensor and sequence parallelism for a
+  Llama (helpers.llama), with torchtitan's plan. Lesson 13 lays out real sizes with it.
 - `apply_dp_tp(model, mesh, recompute="none")`: both on a ("dp", "tp") mesh: tensor parallelism
   over mesh["tp"], then activation checkpointing, then FSDP2 over mesh["dp"] (torchtitan's order).
 - `apply_ac(model, mode, every=1)`: activation checkpointing of every block (or every `every`-th),
@@ -27,7 +29,14 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -35,6 +44,7 @@ from torch.utils.checkpoint import (
 )
 
 UNITS = ("block", "layer")
+
 AC_MODES = ("none", "selective", "full")  # Korthikanti et al.'s three; apply_ac also takes "op"
 _aten, _functional = torch.ops.aten, torch.ops._c10d_functional
 PRODUCTS = (_aten.mm.default, _aten.addmm.default)  # a Linear without and with a bias
@@ -62,6 +72,38 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.M
 
     for block in model.blocks:
         parallelize_module(block, mesh, torch_plan(sequence_parallel=sequence_parallel))
+    return model
+
+
+def apply_llama_tp(model: nn.Module, mesh, *, loss_parallel: bool = True) -> nn.Module:
+    """Tensor and sequence parallelism for a Llama over `mesh` (1-D), as torchtitan lays it out
+    (pytorch/torchtitan@9dec370, torchtitan/parallelisms/parallelize_llama.py, apply_tp, without
+    Float8): between the blocks each rank keeps 1/t of the tokens (Shard(1)); each block gathers
+    them before attention and the MLP, whose projections in are cut by columns (heads, hidden
+    units) and whose projections out by rows, reduce-scattered back to the tokens; the embedding
+    is cut by rows of the vocabulary, the head by its columns. With `loss_parallel` (torchtitan's
+    default) the logits stay cut by the vocabulary, a DTensor: compute the loss inside
+    torch.distributed.tensor.parallel.loss_parallel(); without it they are gathered whole."""
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1),
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel)})
+    gather = {"input_layouts": (Shard(1), None, None),
+              "desired_input_layouts": (Replicate(), None, None)}
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(**gather),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
     return model
 
 
