@@ -51,7 +51,8 @@ class Exercise:
     rules: tuple = ()  # helpers.rules.Rule: what the task forbids or requires, checked in the ranks
     names: tuple = ()  # for a tuple result, what each element is: ("the mean", "the variance")
     hint: str = ""  # shown under a wrong value: a question that points at the usual mistake
-    hint_for: callable = None  # hint_for(got, expected, world_size, *args): a hint for this
+    hint_for: callable = None  # hint_for(got, expected, world_size, *args), or (got, expected,
+    # *case) for plain functions: a hint for this
     # wrong value in particular (a known mistake recognised), or None for `hint`
     harness: callable = None  # plain functions: harness(function, *inputs) calls the learner's
     # function and returns what is compared with expected (values measured around the call)
@@ -172,10 +173,12 @@ def _check_case(exercise, function, case):
             ranks = isinstance(error, (WorkerError, WorkerTimeout))
             return [f"For {where}, your function raised {type(error).__name__}{said}",
                     *([] if ranks else _learners_traceback(error, exercise))]
-        problem = _compare(got, exercise.expected(*case), exercise.names, exercise.rel_tol)
+        expected = exercise.expected(*case)
+        problem = _compare(got, expected, exercise.names, exercise.rel_tol)
         if not problem:
             return None
-        return [f"For {where}: {problem}", *([f"Hint: {exercise.hint}"] if exercise.hint else [])]
+        hint = (exercise.hint_for and exercise.hint_for(got, expected, *case)) or exercise.hint
+        return [f"For {where}: {problem}", *([f"Hint: {hint}"] if hint else [])]
     world_size, args = case
     log_dir = tempfile.mkdtemp(prefix="helpers-check-")
     try:
