@@ -1,4 +1,4 @@
-"""Figures published elsewhere that lessons 04, 08 and 10 set beside their measurements and
+"""Figures published elsewhere that lessons 04, 08, 10 and 13 set beside their measurements and
 projections. None is measured here.
 
 Every number is copied exactly from the file named, at the commit named, of S. Bekman's "Machine
@@ -51,4 +51,20 @@ PUBLISHED_SWEEPS = [
      "all_reduce_bench.py on AWS P6-B200 nodes (NVLink 5 inside, 8x 50 GBps EFA v4 out), "
      "torch 2.9.1+cu130, CUDA 13.0, NCCL 2.27.7",
      [(size, gbps * 1e9) for size, gbps in zip(SIZES, B200_FOUR_NODES_BUSBW)]),
+]
+
+
+# Lesson 13: memory measured on GPUs and published with its conditions. The torchtitan team's
+# benchmark (github.com/pytorch/torchtitan @b5bcd76, benchmarks/llama3_h100_202412_torchtitan.md;
+# torch 1963fc8, torchtitan 9dec370, December 2024): H100s with 96 GB of HBM2e at 500 W,
+# "Memory(GiB)", which torchtitan logs as the CUDA allocator's peak reserved bytes (train.py at
+# 9dec370: device_mem_stats.max_reserved_gib), bfloat16 weights with gradients reduced in float32
+# (torchtitan's defaults), 8192 tokens a sequence (train_configs/llama3_8b.toml and
+# llama3_70b.toml at 9dec370). Each: (model, GPUs, layout, local batch, recomputation, what
+# else was on, GiB, where in the file).
+TORCHTITAN_MEMORY = [
+    ("Llama 3 8B", 8, "FSDP 8", 2, "op", "", 82.4, "Table 1, row FSDP"),
+    ("Llama 3 8B", 128, "FSDP 128", 2, "op", "", 67.0, "Table 3, row FSDP"),
+    ("Llama 3 70B", 256, "FSDP 32 x TP 8", 16, "full", "torch.compile, Float8", 71.9,
+     "Table 4, row 2D"),
 ]

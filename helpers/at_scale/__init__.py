@@ -1,2 +1,17 @@
-"""Lesson 13 (work in progress, on branch lesson-13): real model sizes on fake ranks, and
-PyTorch's own accounting of memory and communication, checked against real runs."""
+"""Lesson 13, at scale without a cluster: notebooks/13_at_scale.ipynb.
+
+Real model sizes on fake ranks, and PyTorch's own accounting of their memory and communication,
+trusted only where it agrees with real ranks. meta_init: a model built on the meta device, laid
+out, moved with `to_empty` and initialised the same under every layout. accounting: one training
+step of a layout (`Plan`) on real or fake ranks, under FSDPMemTracker, CommDebugMode and the
+course's Observer. fits: whether a layout fits a GPU, decided by a fake run, and the sweep of the
+lesson's question (sweep_8b.json). plots: drawn in the kernel. exercises: the checked exercises;
+solutions: their reference solutions.
+"""
+
+NOTEBOOK = "13_at_scale.ipynb"
+
+# The names this lesson takes from earlier lessons (tests/test_structure.py checks the imports):
+BUILDS_ON = {
+    "composing.strategy:MODELS": "lesson 10's Llama 3 shapes, whose projection is checked here",
+}

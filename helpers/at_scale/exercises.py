@@ -1,0 +1,164 @@
+"""Lesson 13's exercises, checked by `helpers.exercises.check(name, your_function)`."""
+
+from __future__ import annotations
+
+from helpers.at_scale import fits as fits_module
+from helpers.at_scale.accounting import Plan
+from helpers.exercises import Exercise
+from helpers.launcher import run
+from helpers.launcher.report import WorkerError
+from helpers.llama import Llama, Shape
+
+EXERCISES = {}
+
+# --- a layout that fits, sending the least (design) ---------------------------------------------
+
+GiB = 2**30
+SPARE = 0.10  # the share of the memory a layout must leave free at its peak
+# (memory per GPU in GiB,): an H100's 80 GiB (ml-engineering's "80GiB H100-SXM", lesson 10) and
+# 48 GiB (an L40S, an RTX 6000 Ada), for the lesson's question (fits.QUESTION)
+MEMORIES = [(80,), (48,)]
+
+
+def best_in_sweep(memory_gib: float, sweep=None) -> tuple:
+    """(plan, peak, sent) of the sweep's layout that leaves SPARE of the memory free and sends
+    the fewest bytes (on a tie, the least memory)."""
+    rows = sweep or fits_module.load_sweep()
+    fitting = [row for row in rows if row[1] <= (1 - SPARE) * memory_gib * GiB]
+    return min(fitting, key=lambda row: (row[2], row[1]))
+
+
+def _judge(function, memory_gib):
+    """Run the learner's plan on fake ranks and judge it against the best of the sweep."""
+    from helpers.composing.strategy import MODELS
+
+    question = fits_module.QUESTION
+    plan = function(MODELS[question["model"]], question["gpus"], memory_gib * GiB,
+                    question["sequences"], question["seq_len"])
+    if not isinstance(plan, Plan):
+        return (f"your function returned {type(plan).__name__}; the task asks for a Plan",
+                "-", "-")
+    if plan.gpus != question["gpus"] or plan.dp * plan.micro_batch != question["sequences"] \
+            or plan.seq_len != question["seq_len"] or not plan.bf16:
+        return (f"{plan} is not a layout of the question: {question['gpus']} GPUs, "
+                f"{question['sequences']} sequences of {question['seq_len']} tokens a step "
+                "(dp x micro_batch of them), in bfloat16", "-", "-")
+    verdict = fits_module.fits(MODELS[question["model"]], plan, memory_gib * GiB)
+    best_plan, best_peak, best_sent = best_in_sweep(memory_gib)
+    spare = ("yes" if verdict.spare >= SPARE else
+             f"no: {verdict}; at least {SPARE:.0%} must stay free")
+    fewest = ("yes" if verdict.sent <= best_sent else
+              f"no: it sends {verdict.sent / GiB:.2f} GiB a step where {best_plan} sends "
+              f"{best_sent / GiB:.2f} GiB and fits with {1 - best_peak / (memory_gib * GiB):.0%} "
+              "to spare")
+    return "a Plan of the question", spare, fewest
+
+
+EXERCISES["choose_plan"] = Exercise(
+    "choose_plan(shape, gpus, memory, sequences, seq_len) returns a Plan (helpers.at_scale."
+    "accounting.Plan) for training a Llama of `shape` on `gpus` GPUs of `memory` bytes each, "
+    "`sequences` sequences of `seq_len` tokens a step in bfloat16 (Plan's bf16=True; "
+    "dp x micro_batch = sequences, one micro-batch a step): one whose peak, measured on fake "
+    f"ranks, leaves at least {SPARE:.0%} of the memory free, and which sends no more bytes a step "
+    "than any other layout that does. The checker runs your plan on fake ranks, for Llama 3 8B "
+    "with 8 sequences of 8192 tokens on 8 GPUs of 80 and of 48 GiB, and compares it with the "
+    "best layout its own sweep of them found",
+    MEMORIES,
+    lambda memory_gib: ("a Plan of the question", "yes", "yes"),
+    distributed=False,
+    harness=_judge,
+    timeout=600,
+    names=("the plan", "fits with 10% to spare", "sends no more than the best"),
+    hint="which of the plan's choices cost bytes on the wire, and which only cost time? "
+         "Tensor parallelism sends activations in every block; recomputation sends nothing more.",
+)
+
+
+# --- built on the meta device, the same weights as one process ----------------------------------
+
+SHAPES = {"2 blocks": Shape(layers=2, dim=64, heads=4, kv_heads=2, ffn=192, vocab=256),
+          "3 blocks, uneven shards": Shape(layers=3, dim=48, heads=4, kv_heads=2, ffn=144,
+                                           vocab=250)}
+WORLD_SIZES = (2, 3)
+
+
+def _rank_view(rank, world_size, function, shape):
+    """In each rank: the learner's model, and how it was built and laid out."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    built_on = []
+    original = Llama.__init__
+
+    def recording(self, *args, **kwargs):
+        built_on.append(torch.empty(0).device.type)  # the default device where it is made
+        original(self, *args, **kwargs)
+
+    Llama.__init__ = recording
+    try:
+        model = function(rank, world_size, shape)
+    finally:
+        Llama.__init__ = original
+    parameters = dict(model.named_parameters())
+    sharded = all(isinstance(p, DTensor) and p.device_mesh.size() == world_size
+                  for p in parameters.values())
+    full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+            for name, p in parameters.items()}
+    return built_on, sharded, full
+
+
+def _meta_built(function, case):
+    """The learner's function on every rank: where it built the model, whether every weight is
+    FSDP's DTensor over all ranks, and the weights gathered whole (rank 0's)."""
+    world_size = WORLD_SIZES[list(SHAPES).index(case)]
+    try:
+        results = run(_rank_view, world_size, args=(function, SHAPES[case]), timeout=60,
+                      show_output=False)
+    except WorkerError as error:
+        if error.type_name == "NotImplementedError":
+            raise NotImplementedError from None  # not started: the engine says so kindly
+        raise
+    built_on, sharded, full = results[0]
+    where = ("the meta device" if built_on and all(d == "meta" for d in built_on)
+             else f"{', '.join(sorted(set(built_on))) or 'no Llama(...)'}")
+    return where, sharded, full
+
+
+def _one_process(case):
+    from helpers.at_scale.meta_init import init_weights
+
+    model = init_weights(Llama(SHAPES[case]))
+    return ("the meta device", True,
+            {name: p.detach() for name, p in model.named_parameters()})
+
+
+def _meta_hint(got, expected, case):
+    if not isinstance(got, tuple) or len(got) != 3 or not isinstance(got[2], dict):
+        return None
+    weights = got[2]
+    weight = weights.get("output.weight")
+    world_size = WORLD_SIZES[list(SHAPES).index(case)]
+    if weight is not None and weight.shape[0] % world_size == 0:
+        pieces = weight.chunk(world_size)
+        if all(piece.equal(pieces[0]) for piece in pieces[1:]):
+            return ("every rank's piece of output.weight is the same: each rank drew its piece "
+                    "as if it were the first. Which values belong to rank r's rows?")
+    return None
+
+
+EXERCISES["meta_built"] = Exercise(
+    "meta_built(rank, world_size, shape) returns a Llama of `shape` (helpers.llama.Llama) laid out "
+    "by FSDP2 over all the ranks (each parameter a DTensor on a mesh of world_size), which no rank "
+    "ever held whole: made on the meta device, its memory allocated only for this rank's pieces. "
+    "Its weights, gathered, must equal those of init_weights(Llama(shape)) (helpers.at_scale."
+    "meta_init) made in one process, exactly",
+    [(case,) for case in SHAPES],
+    _one_process,
+    distributed=False,
+    harness=_meta_built,
+    names=("where Llama(...) was made", "every weight sharded over all ranks",
+           "the weights, gathered"),
+    hint_for=_meta_hint,
+    hint="which of the model's values does a rank need to draw, and from which generator, for "
+         "its pieces to be pieces of the one-process model?",
+)
