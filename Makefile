@@ -34,6 +34,7 @@ present: setup
 PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=12
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 SLOWEST_FIRST := tests/test_browser.py notebooks/12_checkpoints_and_failures.ipynb \
+	notebooks/13_at_scale.ipynb \
 	tests/test_exercises.py tests/test_launcher.py notebooks/09_pipeline_parallelism.ipynb \
 	notebooks/07_zero_and_fsdp.ipynb notebooks/04_measuring_communication.ipynb
 # Every file named once, in that order (pytest drops a file also covered by a folder given).
@@ -41,7 +42,8 @@ ALL := $(SLOWEST_FIRST) $(filter-out $(SLOWEST_FIRST),$(NOTEBOOKS) $(wildcard te
 # Notebooks no rounding can change (whole numbers, timings nbval ignores, counts, messages,
 # bit-for-bit and float64 comparisons): the other-CPU tier leaves them out.
 ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_point.ipynb \
-	notebooks/04_measuring_communication.ipynb notebooks/12_checkpoints_and_failures.ipynb
+	notebooks/04_measuring_communication.ipynb notebooks/12_checkpoints_and_failures.ipynb \
+	notebooks/13_at_scale.ipynb
 
 # Does the course work? The linter, every test but the soaks and the slides, every notebook
 # against its committed outputs (nbval), two lessons in JupyterLab in a real browser.
