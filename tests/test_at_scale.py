@@ -2,6 +2,8 @@
 equals its formula, a meta-built model equals one built normally, torchtitan's Llama layout
 computes what one process does, and the committed sweep is what a fake run gives."""
 
+import dataclasses
+
 import pytest
 import torch
 from checker import expect_rejection
@@ -42,6 +44,20 @@ def test_fake_ranks_account_for_a_float32_step_exactly_as_real_ranks(plan):
     assert fake == real[0]
 
 
+@pytest.mark.numerical
+@pytest.mark.soak  # 15 s; make test runs the same step at 2 blocks
+def test_a_deep_model_clipped_by_its_norm_is_accounted_for_as_on_real_ranks():
+    """32 blocks: where PyTorch's foreach norm, under FakeTensorMode, would hold a fake copy of
+    every gradient (train_step's clip_to_norm computes it one tensor at a time)."""
+    plan = Plan(dp=4, recompute="full", **SMALL)
+    real = run(account_worker, 4, args=(dataclasses.replace(SHAPE, layers=32), plan),
+               kwargs={"measure": ("memory",)}, show_output=False, timeout=300)
+    fake = run(account_worker, 1, args=(dataclasses.replace(SHAPE, layers=32), plan),
+               kwargs={"fake": True, "measure": ("memory",)}, init_group=False,
+               show_output=False, timeout=300)[0]
+    assert fake == real[0]
+
+
 def test_the_bytes_fsdp_holds_and_sends_equal_their_formula():
     plan = Plan(dp=WORLD, **SMALL)
     fake = run(account_worker, 1, args=(SHAPE, plan), kwargs={"fake": True}, init_group=False,
@@ -56,10 +72,12 @@ def test_the_bytes_fsdp_holds_and_sends_equal_their_formula():
     assert peak["Unsharded Param"] == 4 * (root + layer)
     assert peak["All Gather"] == 4 * layer
     # one all-gather per block in forward and again in backward, one for the root; one
-    # reduce-scatter per block and one for the root
+    # reduce-scatter per block and one for the root; one all-reduce, of the gradients' norm
     assert fake["collectives"] == {"c10d._allgather_base_": 2 * SHAPE.layers + 1,
-                                   "c10d._reduce_scatter_base_": SHAPE.layers + 1}
-    # a ring sends (N - 1)/N of each gathered or reduced float32 array
+                                   "c10d._reduce_scatter_base_": SHAPE.layers + 1,
+                                   "c10d_functional.all_reduce": 1}
+    # a ring sends (N - 1)/N of each gathered or reduced float32 array (the norm's all-reduce,
+    # one number, reaches neither the Observer nor the dispatcher: CommDebugMode alone sees it)
     gathered = 4 * (2 * SHAPE.layers * layer + root)
     assert fake["sent"] == {"all_gather_single": (WORLD - 1) / WORLD * gathered,
                             "reduce_scatter_single": (WORLD - 1) / WORLD * 4 * total}
@@ -76,15 +94,12 @@ def test_in_bfloat16_a_real_rank_holds_at_most_one_blocks_float32_gradients_more
         assert 0 <= rank["peak"]["Total"] - fake["peak"]["Total"] <= 4 * layer
 
 
-def test_with_tensor_parallelism_the_fake_run_sends_the_same_and_holds_at_most_10_percent_more():
-    plan = Plan(dp=2, tp=2, **SMALL)
-    real, fake = real_and_fake(plan)
-    for rank in real:
-        assert rank["calls"] == fake["calls"] and rank["sent"] == fake["sent"]
-        assert rank["collectives"] == fake["collectives"]
-        for kind in ("Parameter", "Optstate"):
-            assert rank["peak"][kind] == fake["peak"][kind]
-        assert rank["peak"]["Total"] <= fake["peak"]["Total"] <= 1.10 * rank["peak"]["Total"]
+def test_with_tensor_parallelism_fake_ranks_account_for_a_step_exactly_as_real_ranks():
+    """After one untracked step: DTensor's first in a process holds more under FakeTensorMode."""
+    for plan in (Plan(dp=2, tp=2, **SMALL), Plan(dp=2, tp=2, recompute="op", **SMALL)):
+        real, fake = real_and_fake(plan)
+        assert all(rank == real[0] for rank in real)
+        assert fake == real[0]
 
 
 def llama_loss_worker(rank, world_size, shape, tokens, tp):
@@ -121,6 +136,7 @@ def test_torchtitans_llama_layout_computes_the_gradient_of_one_process():
     loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(),
                                              tokens[:, 1:].flatten())  # as train_step does
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # as train_step does
     # Everything is float64 but the loss (torchtitan's float32 logits, here as in one process):
     # loss_parallel sums each token's softmax over two halves of the vocabulary, another order
     # of 256 float32 terms, each within 2**-24 relative: at most 256 x 6e-8 = 1.5e-5.
@@ -249,3 +265,21 @@ def test_the_committed_runs_at_size_are_what_a_fake_run_gives(index):
     model, plan, found = fits.load_at_size()[index]
     assert (model, plan) == fits.AT_SIZE[index]
     assert fits.at_size(model, plan) == found
+
+
+def init_then_shard(rank, world_size, shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers import layouts
+
+    with torch.device("meta"):
+        model = Llama(shape)
+    model.to_empty(device="cpu")  # CPU on purpose: the whole model, on every rank
+    init_weights(model)
+    return layouts.apply_fsdp(model, init_device_mesh("cpu", (world_size,)))  # CPU on purpose
+
+
+def test_the_meta_checker_rejects_memory_for_the_whole_model():
+    expect_rejection("meta_built", init_then_shard,
+                     "what to_empty allocated: expected \"this rank's pieces\", got 'the whole "
+                     "model'")

@@ -11,7 +11,6 @@ from checker import not_started
 from helpers import exercises
 from helpers.lessons import lessons
 
-
 # Checked by the soak tier: lesson 13's layout exercise, whose reference solution runs a dozen fake
 # steps of Llama 3 8B (a minute and more); its checker's rejections are in make test
 # (tests/test_at_scale.py).

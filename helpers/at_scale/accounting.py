@@ -13,8 +13,8 @@ where the accounting can be checked against reality.
 - `lay_out(model, mesh, plan)`: the model laid out on the mesh of `make_mesh(plan)`, by the
   layouts module's functions.
 - `account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURES, fast=True)`:
-  a Llama
-  (helpers.llama) laid out by `plan`, AdamW's state created by a step on zero gradients, then
+  a Llama (helpers.llama) laid out by `plan`, AdamW's state created by a step on zero gradients
+  (with tensor parallelism, one whole step first: see the code), then
   one step under PyTorch's `FSDPMemTracker` (`MemTracker` with tensor parallelism) with the
   course's `instrument.Observer` and `TensorParallelBytes` inside it (this rank's peak bytes by
   kind; the collectives it calls and the bytes it sends) and, in a step of its own,
@@ -163,15 +163,36 @@ def join_fake_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def clip_to_norm(model, max_norm: float) -> None:
+    """torchtitan's clip_grad_norm_ (torchtitan/utils.py at 9dec370): the gradients' global norm
+    from each rank's pieces, a DTensor made whole (one all-reduce of a number), then every
+    gradient scaled by max_norm / norm where that is below 1. One tensor at a time
+    (foreach=False, where torchtitan lets PyTorch choose): under FakeTensorMode, PyTorch's
+    foreach norm of a deep model's FSDP gradients holds a fake copy of them that real ranks never
+    allocate (a 32-block model: 4 times its gradient shards), so the fake peak would be wrong;
+    one tensor at a time, fake = real (tests/test_at_scale.py)."""
+    from torch.distributed.tensor import DTensor
+
+    gradients = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(gradients, foreach=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=False)
+
+
 def train_step(model, optimizer, tokens, plan: Plan) -> None:
-    """torchtitan's step: next-token cross-entropy on float32 logits, backward, AdamW; with
-    tensor parallelism, the loss computed on logits cut by the vocabulary (loss_parallel)."""
+    """torchtitan's step (train.py at pytorch/torchtitan@9dec370): next-token cross-entropy on
+    float32 logits, the logits freed before backward, gradients clipped to a global norm of 1,
+    AdamW; with tensor parallelism, the loss computed on logits cut by the vocabulary
+    (loss_parallel)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     logits = model(tokens[:, :-1])
     with loss_parallel() if plan.tp > 1 else contextlib.nullcontext():
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        del logits  # as torchtitan: the float32 copy the loss keeps is enough for backward
         loss.backward()
+    clip_to_norm(model, 1.0)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -207,6 +228,8 @@ def account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURE
         optimizer.zero_grad()
         tokens = torch.randint(0, shape.vocab, (plan.micro_batch, plan.seq_len + 1))
         step = functools.partial(train_step, model, optimizer, tokens, plan)
+        if plan.tp > 1:  # DTensor's first step in a process under FakeTensorMode holds more (its
+            step()  # operations' shapes, computed once and cached); from the second, fake = real
 
         FSDPMemTracker, MemTracker = trackers(fast)
         if plan.tp == 1:  # FSDP's own kinds: sharded and gathered weights, its buffers
@@ -245,8 +268,15 @@ def loss_worker(rank, world_size, shape, plan):
         if plan.tp > 1:
             logits = DTensor.from_local(logits, mesh["tp"], [Shard(2)])
         targets = torch.randint(0, shape.vocab, (plan.micro_batch * plan.seq_len,))
+
+        def loss():
+            with loss_parallel() if plan.tp > 1 else contextlib.nullcontext():
+                F.cross_entropy(logits.flatten(0, 1).float(), targets).backward()
+            logits.grad = None
+
+        loss()  # DTensor's first time in a process holds more (account_worker says why)
         tracker = MemTracker()
-        with tracker, loss_parallel() if plan.tp > 1 else contextlib.nullcontext():
-            F.cross_entropy(logits.flatten(0, 1).float(), targets).backward()
+        with tracker:
+            loss()
         (peak,) = tracker.get_tracker_snapshot("peak").values()
     return {getattr(kind, "value", kind): size for kind, size in peak.items()}

@@ -38,19 +38,19 @@ def _judge(function, memory_gib):
     if not isinstance(plan, Plan):
         return (f"your function returned {type(plan).__name__}; the task asks for a Plan",
                 "-", "-")
-    if plan.gpus != question["gpus"] or plan.dp * plan.micro_batch != question["sequences"] \
-            or plan.seq_len != question["seq_len"] or not plan.bf16:
-        return (f"{plan} is not a layout of the question: {question['gpus']} GPUs, "
+    if plan not in fits_module.candidates():
+        return (f"{plan} is not a layout of the question (fits.candidates() lists them): "
+                f"{question['gpus']} GPUs = dp x tp with tp a power of two up to 8, "
                 f"{question['sequences']} sequences of {question['seq_len']} tokens a step "
-                "(dp x micro_batch of them), in bfloat16", "-", "-")
+                "(dp x micro_batch of them), in bfloat16, no replicas", "-", "-")
     verdict = fits_module.fits(MODELS[question["model"]], plan, memory_gib * GiB)
-    best_plan, best_peak, best_sent = best_in_sweep(memory_gib)
+    _, best_peak, best_sent = best_in_sweep(memory_gib)
     spare = ("yes" if verdict.spare >= SPARE else
              f"no: {verdict}; at least {SPARE:.0%} must stay free")
     fewest = ("yes" if verdict.sent <= best_sent else
-              f"no: it sends {verdict.sent / GiB:.2f} GiB a step where {best_plan} sends "
-              f"{best_sent / GiB:.2f} GiB and fits with {1 - best_peak / (memory_gib * GiB):.0%} "
-              "to spare")
+              f"no: it sends {verdict.sent / GiB:.2f} GiB a step where another layout sends "
+              f"{best_sent / GiB:.2f} GiB and leaves {1 - best_peak / (memory_gib * GiB):.0%} "
+              "free")
     return "a Plan of the question", spare, fewest
 
 
@@ -58,9 +58,10 @@ EXERCISES["choose_plan"] = Exercise(
     "choose_plan(shape, gpus, memory, sequences, seq_len) returns a Plan (helpers.at_scale."
     "accounting.Plan) for training a Llama of `shape` on `gpus` GPUs of `memory` bytes each, "
     "`sequences` sequences of `seq_len` tokens a step in bfloat16 (Plan's bf16=True; "
-    "dp x micro_batch = sequences, one micro-batch a step): one whose peak, measured on fake "
-    f"ranks, leaves at least {SPARE:.0%} of the memory free, and which sends no more bytes a step "
-    "than any other layout that does. The checker runs your plan on fake ranks, for Llama 3 8B "
+    "dp x micro_batch = sequences, one micro-batch a step; the layouts fits.candidates() lists): "
+    f"one whose peak, measured on fake ranks, leaves at least {SPARE:.0%} of the memory free, "
+    "and which sends no more bytes a step than any other of those layouts that does. The "
+    "checker runs your plan on fake ranks, for Llama 3 8B "
     "with 8 sequences of 8192 tokens on 8 GPUs of 80 and of 48 GiB, and compares it with the "
     "best layout its own sweep of them found",
     MEMORIES,
@@ -69,8 +70,9 @@ EXERCISES["choose_plan"] = Exercise(
     harness=_judge,
     timeout=600,
     names=("the plan", "fits with 10% to spare", "sends no more than the best"),
-    hint="which of the plan's choices cost bytes on the wire, and which only cost time? "
-         "Tensor parallelism sends activations in every block; recomputation sends nothing more.",
+    hint="fits() says what a layout sends as well as its peak (a Verdict's .sent and .peak): "
+         "which choices change the bytes on the wire is for the runs to say. A fake step of a "
+         "block or two takes a second or so.",
 )
 
 
@@ -87,24 +89,30 @@ def _rank_view(rank, world_size, function, shape):
     import torch
     from torch.distributed.tensor import DTensor
 
-    built_on = []
-    original = Llama.__init__
+    built_on, allocated = [], []
+    original, to_empty = Llama.__init__, torch.nn.Module.to_empty
 
     def recording(self, *args, **kwargs):
         built_on.append(torch.empty(0).device.type)  # the default device where it is made
         original(self, *args, **kwargs)
 
-    Llama.__init__ = recording
+    def allocating(self, *args, **kwargs):  # what to_empty gives memory to: pieces, or wholes
+        if isinstance(self, Llama):
+            allocated.append("this rank's pieces" if all(
+                isinstance(p, DTensor) for p in self.parameters()) else "the whole model")
+        return to_empty(self, *args, **kwargs)
+
+    Llama.__init__, torch.nn.Module.to_empty = recording, allocating
     try:
         model = function(rank, world_size, shape)
     finally:
-        Llama.__init__ = original
+        Llama.__init__, torch.nn.Module.to_empty = original, to_empty
     parameters = dict(model.named_parameters())
     sharded = all(isinstance(p, DTensor) and p.device_mesh.size() == world_size
                   for p in parameters.values())
     full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
             for name, p in parameters.items()}
-    return built_on, sharded, full
+    return built_on, allocated, sharded, full
 
 
 def _meta_built(function, case):
@@ -118,24 +126,27 @@ def _meta_built(function, case):
         if error.type_name == "NotImplementedError":
             raise NotImplementedError from None  # not started: the engine says so kindly
         raise
-    built_on, sharded, full = results[0]
+    built_on, allocated, sharded, full = results[0]
     where = ("the meta device" if built_on and all(d == "meta" for d in built_on)
              else f"{', '.join(sorted(set(built_on))) or 'no Llama(...)'}")
-    return where, sharded, full
+    return where, ", ".join(allocated) or "to_empty was not called", sharded, full
 
 
 def _one_process(case):
     from helpers.at_scale.meta_init import init_weights
 
     model = init_weights(Llama(SHAPES[case]))
-    return ("the meta device", True,
+    return ("the meta device", "this rank's pieces", True,
             {name: p.detach() for name, p in model.named_parameters()})
 
 
 def _meta_hint(got, expected, case):
-    if not isinstance(got, tuple) or len(got) != 3 or not isinstance(got[2], dict):
+    if not isinstance(got, tuple) or len(got) != 4 or not isinstance(got[3], dict):
         return None
-    weights = got[2]
+    if got[0] != expected[0] or got[1] != expected[1]:
+        return ("where is memory allocated for the weights, and for how much of them? A rank "
+                "should only ever hold its own pieces")
+    weights = got[3]
     weight = weights.get("output.weight")
     world_size = WORLD_SIZES[list(SHAPES).index(case)]
     if weight is not None and weight.shape[0] % world_size == 0:
@@ -156,8 +167,8 @@ EXERCISES["meta_built"] = Exercise(
     _one_process,
     distributed=False,
     harness=_meta_built,
-    names=("where Llama(...) was made", "every weight sharded over all ranks",
-           "the weights, gathered"),
+    names=("where Llama(...) was made", "what to_empty allocated",
+           "every weight sharded over all ranks", "the weights, gathered"),
     hint_for=_meta_hint,
     hint="which of the model's values does a rank need to draw, and from which generator, for "
          "its pieces to be pieces of the one-process model?",

@@ -10,7 +10,7 @@ from helpers.drawing import GREY
 
 GiB = 2**30
 # One colour per kind, the same in every figure of the lesson.
-KIND_COLORS = {"weights": "#4C72B0", "weights (sharded)": "#4C72B0",
+KIND_COLORS = {"weights (sharded and gathered)": "#3A5A8C", "weights (sharded)": "#4C72B0",
                "weights (gathered)": "#7FA3D6", "gradients": "#C44E52", "optimizer": "#8172B3",
                "activations": "#937860", "temporaries (logits, ...)": "#DD8452",
                "FSDP buffers": "#55A868", "measured, max reserved": GREY}
@@ -19,7 +19,7 @@ KIND_COLORS = {"weights": "#4C72B0", "weights (sharded)": "#4C72B0",
 def by_kind(peak: dict) -> dict:
     """A tracker's peak ({kind: bytes}, FSDPMemTracker's or MemTracker's kinds) in the lesson's
     kinds, for the bars."""
-    return {"weights": peak.get("Parameter", 0),  # MemTracker: sharded and gathered alike
+    return {"weights (sharded and gathered)": peak.get("Parameter", 0),  # MemTracker's one kind
             "weights (sharded)": peak.get("Sharded Param", 0),
             "weights (gathered)": peak.get("Unsharded Param", 0),
             "gradients": sum(peak.get(kind, 0) for kind in ("Sharded Grad", "Unsharded Grad",
@@ -43,7 +43,7 @@ def plot_beside(bars: dict, memory: float | None = None, title: str = ""):
                 continue
             ax.barh(row, size, left=left, color=KIND_COLORS[kind], edgecolor="white",
                     label=kind)
-            if size > 4:
+            if size > 6:
                 ax.text(left + size / 2, row, f"{size:.1f}", ha="center", va="center",
                         fontsize=8, color="white")
             left += size
@@ -64,22 +64,28 @@ def plot_beside(bars: dict, memory: float | None = None, title: str = ""):
 
 
 def itemised(fake: dict, projection: dict, left_out: dict) -> str:
-    """Lines setting a fake run's peak (by_kind) beside the projection's kinds, each difference
+    """Lines setting a fake run's peak (by_kind) beside the projection's kinds (its weights as
+    "weights (sharded)", gradients, optimizer, activations). MemTracker (tensor parallelism)
+    lumps gathered weights with the sharded ones, and in these runs files the loss's backward
+    tensors, which come before any module's backward, as activations. Each difference
     over 10 % of the projection's total marked, and what the projection leaves out, sized."""
-    rows = [("weights and optimizer state",
-             sum(fake[kind] for kind in ("weights", "weights (sharded)", "optimizer")),
-             projection["weights"] + projection["optimizer"]),
+    lumped = fake["weights (sharded and gathered)"] > 0  # MemTracker: one kind for both
+    rows = [("weights and optimizer state" + (" (gathered too)" if lumped else ""),
+             sum(fake[kind] for kind in ("weights (sharded and gathered)", "weights (sharded)",
+                                         "optimizer")),
+             projection["weights (sharded)"] + projection["optimizer"]),
             ("gradients", fake["gradients"], projection["gradients"]),
-            ("activations", fake["activations"], projection["activations"]),
-            ("gathered weights and FSDP's buffers",
+            ("activations" + (" (the loss's backward tensors too)" if lumped else ""),
+             fake["activations"], projection["activations"]),
+            ("gathered weights and FSDP's buffers" + (" (see above)" if lumped else ""),
              fake["weights (gathered)"] + fake["FSDP buffers"], 0),
             ("temporaries (the logits' among them)", fake["temporaries (logits, ...)"], 0)]
     total = sum(projection.values())
-    lines = [f"{'':40s} {'fake':>9s} {'projected':>9s}"]
+    lines = [f"{'':48s} {'fake':>9s} {'projected':>9s}"]
     for kind, got, projected in rows:
         flag = "  <- over 10 %" if abs(got - projected) > 0.10 * total else ""
-        lines.append(f"{kind:40s} {got / GiB:9.2f} {projected / GiB:9.2f}{flag}")
-    lines.append(f"{'total (GiB)':40s} {sum(row[1] for row in rows) / GiB:9.2f} "
+        lines.append(f"{kind:48s} {got / GiB:9.2f} {projected / GiB:9.2f}{flag}")
+    lines.append(f"{'total (GiB)':48s} {sum(row[1] for row in rows) / GiB:9.2f} "
                  f"{total / GiB:9.2f}")
     lines.append("left out by the projection, sized by strategy.left_out: " + "; ".join(
         f"{kind} {size / GiB:.2f}" for kind, size in left_out.items()))
