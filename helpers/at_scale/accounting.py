@@ -1,8 +1,8 @@
 """One training step, accounted for by PyTorch's own tools, on real ranks or on fake ones.
 
 A fake rank is one process that plays rank 0 of N: `init_process_group("fake")` (PyTorch's
-`FakeProcessGroup`: every collective returns at once, its buffers untouched) and `FakeTensorMode`
-(tensors with shapes and no storage). The same worker runs on real gloo ranks at a small size,
+`FakeProcessGroup`: every collective returns at once, having moved nothing between ranks) and
+`FakeTensorMode` (tensors with shapes and no storage). The same worker runs on real gloo ranks at a small size,
 where the accounting can be checked against reality.
 
 - `Plan(dp, tp=1, replicate=1, recompute="none", micro_batch=1, seq_len=2048, bf16=False)`: a
@@ -228,8 +228,8 @@ def account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURE
         optimizer.zero_grad()
         tokens = torch.randint(0, shape.vocab, (plan.micro_batch, plan.seq_len + 1))
         step = functools.partial(train_step, model, optimizer, tokens, plan)
-        if plan.tp > 1:  # DTensor's first step in a process under FakeTensorMode holds more (its
-            step()  # operations' shapes, computed once and cached); from the second, fake = real
+        if plan.tp > 1:  # DTensor's first step in a process computes its operations' shapes with
+            step()  # fake tensors, which a fake step's tracker counts too; the second, fake = real
 
         FSDPMemTracker, MemTracker = trackers(fast)
         if plan.tp == 1:  # FSDP's own kinds: sharded and gathered weights, its buffers

@@ -9,7 +9,9 @@
 - `python -m helpers.at_scale.fits` runs every candidate (with a progress bar) and writes their
   verdicts to SWEEP (sweep_8b.json), which the lesson's figure and its design exercise read;
   `python -m helpers.at_scale.fits sizes` runs AT_SIZE, Llama 3 70B in torchtitan's layouts, and
-  writes AT_SIZE_RUNS (at_size.json). The tests run them again and require the same bytes.
+  writes AT_SIZE_RUNS (at_size.json). A fake step gives the same bytes on any machine: the tests
+  run a sample of each file again (one of the sweep in make test, three more and the 70B FSDP run
+  in the soak tier) and require them.
 """
 
 from __future__ import annotations
