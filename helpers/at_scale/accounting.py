@@ -2,8 +2,8 @@
 
 A fake rank is one process that plays rank 0 of N: `init_process_group("fake")` (PyTorch's
 `FakeProcessGroup`: every collective returns at once, having moved nothing between ranks) and
-`FakeTensorMode` (tensors with shapes and no storage). The same worker runs on real gloo ranks at a small size,
-where the accounting can be checked against reality.
+`FakeTensorMode` (tensors with shapes and no storage). The same worker runs on real gloo ranks
+at a small size, where the accounting can be checked against reality.
 
 - `Plan(dp, tp=1, replicate=1, recompute="none", micro_batch=1, seq_len=2048, bf16=False)`: a
   layout and what one rank computes per step: FSDP2 over `dp` ranks (HSDP with `replicate` > 1),
