@@ -243,14 +243,19 @@ def fewest_gpus_per_model(shape, gpus, memory, sequences, seq_len):
                 bf16=True)
 
 
-def test_the_layout_checker_rejects_a_plan_without_room_another_question_and_more_bytes():
+def test_the_layout_checker_rejects_a_plan_without_room_and_another_question():
     expect_rejection("choose_plan", no_recomputation,
                      "fits with 10% to spare: expected 'yes', got 'no: ")
     expect_rejection("choose_plan", another_question, "is not a layout of the question")
+
+
+@pytest.mark.soak  # a fake step of Llama 3 8B; make test rejects the plan without room
+def test_the_layout_checker_rejects_a_plan_that_sends_more_than_the_best():
     expect_rejection("choose_plan", fewest_gpus_per_model,
                      "sends no more than the best: expected 'yes', got 'no: it sends")
 
 
+@pytest.mark.soak  # make test's fake = real comparisons (the notebook's) run the fast ones
 @pytest.mark.parametrize("plan", [Plan(dp=4, **SMALL), Plan(dp=2, tp=2, recompute="op", **SMALL)],
                          ids=str)
 def test_the_fast_trackers_find_the_peak_pytorchs_find(plan):
