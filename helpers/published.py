@@ -58,13 +58,14 @@ PUBLISHED_SWEEPS = [
 # benchmark (github.com/pytorch/torchtitan @b5bcd76, benchmarks/llama3_h100_202412_torchtitan.md;
 # torch 1963fc8, torchtitan 9dec370, December 2024): H100s with 96 GB of HBM2e at 500 W,
 # "Memory(GiB)", which torchtitan logs as the CUDA allocator's peak reserved bytes (train.py at
-# 9dec370: device_mem_stats.max_reserved_gib), bfloat16 weights with gradients reduced in float32
-# (torchtitan's defaults), 8192 tokens a sequence (train_configs/llama3_8b.toml and
-# llama3_70b.toml at 9dec370). Each: (model, GPUs, layout, local batch, recomputation, what
-# else was on, GiB, where in the file).
+# 9dec370: device_mem_stats.max_reserved_gib), FSDP2's mixed precision (float32 shards, gathered
+# in bfloat16, gradients reduced in float32: torchtitan's defaults), 8192 tokens a sequence
+# (train_configs/llama3_8b.toml and llama3_70b.toml at 9dec370). Each: (model, GPUs, layout,
+# local batch, recomputation ("op": the 8B toml's selective_ac_option; the benchmark says
+# "selective"), what else was on, GiB, where in the file).
 TORCHTITAN_MEMORY = [
     ("Llama 3 8B", 8, "FSDP 8", 2, "op", "", 82.4, "Table 1, row FSDP"),
     ("Llama 3 8B", 128, "FSDP 128", 2, "op", "", 67.0, "Table 3, row FSDP"),
-    ("Llama 3 70B", 256, "FSDP 32 x TP 8", 16, "full", "torch.compile, Float8", 71.9,
+    ("Llama 3 70B", 256, "FSDP 32 x TP 8", 16, "full", "torch.compile of the blocks, Float8", 71.9,
      "Table 4, row 2D"),
 ]

@@ -221,11 +221,15 @@ def reset_on_pieces(rank, world_size, shape):
     return model
 
 
-def test_the_meta_checker_passes_the_solution_and_rejects_typical_mistakes():
-    expect_rejection("meta_built", built_whole_then_sharded,
-                     "where Llama(...) was made: expected 'the meta device', got 'cpu'")
+def test_the_meta_checker_rejects_pieces_drawn_alike():
     expect_rejection("meta_built", reset_on_pieces,
                      "every rank's piece of output.weight is the same")
+
+
+@pytest.mark.soak  # make test rejects pieces drawn alike
+def test_the_meta_checker_rejects_a_model_built_whole():
+    expect_rejection("meta_built", built_whole_then_sharded,
+                     "where Llama(...) was made: expected 'the meta device', got 'cpu'")
 
 
 def no_recomputation(shape, gpus, memory, sequences, seq_len):
@@ -285,6 +289,7 @@ def init_then_shard(rank, world_size, shape):
     return layouts.apply_fsdp(model, init_device_mesh("cpu", (world_size,)))  # CPU on purpose
 
 
+@pytest.mark.soak  # make test rejects pieces drawn alike
 def test_the_meta_checker_rejects_memory_for_the_whole_model():
     expect_rejection("meta_built", init_then_shard,
                      "what to_empty allocated: expected \"this rank's pieces\", got 'the whole "
