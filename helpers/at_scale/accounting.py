@@ -234,8 +234,8 @@ def account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURE
         FSDPMemTracker, MemTracker = trackers(fast)
         if plan.tp == 1:  # FSDP's own kinds: sharded and gathered weights, its buffers
             tracker = FSDPMemTracker(model, optimizer)
-        else:  # FSDPMemTracker does not know tensor-parallel (DTensor) weights
-            tracker = MemTracker()
+        else:  # PyTorch's general tracker (FSDPMemTracker runs on DP x TP too; the two trackers
+            tracker = MemTracker()  # file a step's tensors differently, and their peaks differ)
             tracker.track_external(model, optimizer)
         with tracker, instrument.Observer() as observer, TensorParallelBytes() as tensor:
             step()
