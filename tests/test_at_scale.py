@@ -269,8 +269,8 @@ def test_the_fast_trackers_find_the_peak_pytorchs_find(plan):
     assert fast == stock
 
 
-@pytest.mark.soak  # the FSDP one; the tensor-parallel ones take minutes each (the script's)
-@pytest.mark.parametrize("index", [1])
+@pytest.mark.soak  # the FSDP ones; the tensor-parallel ones take minutes each (the script's)
+@pytest.mark.parametrize("index", [1, 3])
 def test_the_committed_runs_at_size_are_what_a_fake_run_gives(index):
     model, plan, found = fits.load_at_size()[index]
     assert (model, plan) == fits.AT_SIZE[index]

@@ -8,8 +8,9 @@
   rank's micro-batch 8 / dp sequences), each recomputation.
 - `python -m helpers.at_scale.fits` runs every candidate (with a progress bar) and writes their
   verdicts to SWEEP (sweep_8b.json), which the lesson's figure and its design exercise read;
-  `python -m helpers.at_scale.fits sizes` runs AT_SIZE, Llama 3 70B in torchtitan's layouts, and
-  writes AT_SIZE_RUNS (at_size.json). A fake step gives the same bytes on any machine: the tests
+  `python -m helpers.at_scale.fits sizes [--again]` runs AT_SIZE (Llama 3 70B in torchtitan's
+  layouts, 8B on 1,024 GPUs; those already recorded are kept, unless --again) and writes
+  AT_SIZE_RUNS (at_size.json). A fake step gives the same bytes on any machine: the tests
   run a sample of each file again (one of the sweep in make test, three more and the 70B FSDP run
   in the soak tier) and require them.
 """
@@ -90,11 +91,13 @@ def load_sweep(path: str = SWEEP) -> list:
 # committed (AT_SIZE_RUNS): torchtitan's 70B recipe (train_configs/llama3_70b.toml at 9dec370:
 # tensor_parallel_degree 8, batch_size 8, seq_len 8192, full recomputation) on 64 GPUs; the same
 # model in FSDP alone on 64, one sequence each; and torchtitan's 256-GPU benchmark layout (FSDP 32 x
-# TP 8, local batch 16, full recomputation), without its torch.compile and Float8.
+# TP 8, local batch 16, full recomputation), without its torch.compile and Float8; and the 8B recipe
+# of the lesson on 1,024 GPUs.
 AT_SIZE = [
     ("Llama 3 70B", Plan(dp=8, tp=8, recompute="full", micro_batch=8, seq_len=8192, bf16=True)),
     ("Llama 3 70B", Plan(dp=64, recompute="full", micro_batch=1, seq_len=8192, bf16=True)),
     ("Llama 3 70B", Plan(dp=32, tp=8, recompute="full", micro_batch=16, seq_len=8192, bf16=True)),
+    ("Llama 3 8B", Plan(dp=1024, recompute="op", micro_batch=2, seq_len=8192, bf16=True)),
 ]
 AT_SIZE_RUNS = os.path.join(os.path.dirname(__file__), "at_size.json")
 
@@ -121,13 +124,17 @@ def load_at_size(path: str = AT_SIZE_RUNS) -> list:
     return [(row["model"], Plan(**row["plan"]), row["found"]) for row in rows]
 
 
-def main(what: str = "sweep") -> None:
+def main(what: str = "sweep", again: bool = False) -> None:
+    """Write SWEEP (what="sweep") or AT_SIZE_RUNS ("sizes"); for the latter, runs already
+    recorded for the same model and plan are kept unless `again`."""
     import torch
 
     from helpers.composing.strategy import MODELS
 
     jobs = ([(QUESTION["model"], plan) for plan in candidates()] if what == "sweep"
             else AT_SIZE)
+    recorded = ({} if again or what == "sweep" or not os.path.exists(AT_SIZE_RUNS)
+                else {(model, plan): found for model, plan, found in load_at_size()})
     runs = []
     for done, (model, plan) in enumerate(jobs, start=1):
         if what == "sweep":
@@ -135,7 +142,7 @@ def main(what: str = "sweep") -> None:
             runs.append({"plan": asdict(plan), "peak": verdict.peak, "sent": verdict.sent})
             peak = verdict.peak
         else:
-            found = at_size(model, plan)
+            found = recorded.get((model, plan)) or at_size(model, plan)
             runs.append({"model": model, "plan": asdict(plan), "found": found})
             peak = found["peak"]["Total"]
         bar = "#" * done + "." * (len(jobs) - done)
@@ -150,4 +157,4 @@ def main(what: str = "sweep") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:2], again="--again" in sys.argv)
