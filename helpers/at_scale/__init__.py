@@ -4,8 +4,9 @@ Real model sizes on fake ranks, and PyTorch's own accounting of their memory and
 trusted only where it agrees with real ranks. meta_init: a model built on the meta device, laid
 out, moved with `to_empty` and initialised the same under every layout. accounting: one training
 step of a layout (`Plan`) on real or fake ranks, under FSDPMemTracker, CommDebugMode and the
-course's Observer. fits: whether a layout fits a GPU, decided by a fake run, and the sweep of the
-lesson's question (sweep_8b.json). plots: drawn in the kernel. exercises: the checked exercises;
+course's Observer. fits: whether a layout fits a GPU, decided by a fake run; the sweep of the
+lesson's question (sweep_8b.json) and the runs at real size (at_size.json), written by its
+script. plots: drawn in the kernel. exercises: the checked exercises;
 solutions: their reference solutions.
 """
 
