@@ -44,7 +44,6 @@ from torch.utils.checkpoint import (
 )
 
 UNITS = ("block", "layer")
-
 AC_MODES = ("none", "selective", "full")  # Korthikanti et al.'s three; apply_ac also takes "op"
 _aten, _functional = torch.ops.aten, torch.ops._c10d_functional
 PRODUCTS = (_aten.mm.default, _aten.addmm.default)  # a Linear without and with a bias

@@ -15,15 +15,16 @@ EXERCISES = {}
 
 GiB = 2**30
 SPARE = 0.10  # the share of the memory a layout must leave free at its peak
-# (memory per GPU in GiB,): an H100's 80 GiB (ml-engineering's "80GiB H100-SXM", lesson 10) and
-# 48 GiB (an L40S, an RTX 6000 Ada), for the lesson's question (fits.QUESTION)
+# (memory per GPU in GiB,): an H100's 80 GiB (ml-engineering's "80GiB H100-SXM", lesson 10), and
+# 48 GiB, a smaller GPU (no particular model: GPUs sold as "48 GB" hold 44.7 GiB), for the
+# lesson's question (fits.QUESTION)
 MEMORIES = [(80,), (48,)]
 
 
-def best_in_sweep(memory_gib: float, sweep=None) -> tuple:
-    """(plan, peak, sent) of the sweep's layout that leaves SPARE of the memory free and sends
-    the fewest bytes (on a tie, the least memory)."""
-    rows = sweep or fits_module.load_sweep()
+def best_in_sweep(memory_gib: float) -> tuple:
+    """(plan, peak, sent) of the committed sweep's layout that leaves SPARE of the memory free and
+    sends the fewest bytes (on a tie, the least memory)."""
+    rows = fits_module.load_sweep()
     fitting = [row for row in rows if row[1] <= (1 - SPARE) * memory_gib * GiB]
     return min(fitting, key=lambda row: (row[2], row[1]))
 
