@@ -505,6 +505,18 @@ def alive_bytes(created: list, leave_out=()) -> int:
     alive = {}
     for reference in created:
         storage = reference()
-        if storage is not None and storage.data_ptr() not in left_out:
+        if storage is None or not _valid(storage):
+            continue
+        if storage.data_ptr() not in left_out:
             alive[storage.data_ptr()] = storage.nbytes()
     return sum(alive.values())
+
+
+def _valid(storage) -> bool:
+    """False for a Python storage whose C++ storage is gone (torch.utils.swap_tensors, as FSDP2
+    uses it, leaves such husks behind): it holds no memory."""
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return False
+    return True

@@ -163,21 +163,47 @@ def join_fake_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def clip_to_norm(model, max_norm: float) -> None:
+def clip_to_norm(model, max_norm: float) -> torch.Tensor:
     """torchtitan's clip_grad_norm_ (torchtitan/utils.py at 9dec370): the gradients' global norm
     from each rank's pieces, a DTensor made whole (one all-reduce of a number), then every
     gradient scaled by max_norm / norm where that is below 1. One tensor at a time
     (foreach=False, where torchtitan lets PyTorch choose): under FakeTensorMode, PyTorch's
     foreach norm of a deep model's FSDP gradients holds a fake copy of them that real ranks never
     allocate (a 32-block model: 4 times its gradient shards), so the fake peak would be wrong;
-    one tensor at a time, fake = real (tests/test_at_scale.py)."""
+    one tensor at a time, fake = real (tests/test_at_scale.py). Gradients on different meshes
+    (a model laid out in part) are normed mesh by mesh, then together. Returns the norm before
+    clipping."""
     from torch.distributed.tensor import DTensor
 
-    gradients = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(gradients, foreach=False)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    by_mesh = {}  # a DTensor's norm needs its mesh: a model laid out in part (lesson 08's plan
+    for parameter in model.parameters():  # cuts only the blocks) has gradients on two meshes
+        if parameter.grad is not None:
+            by_mesh.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(
+                parameter.grad)
+    norms = []
+    for gradients in by_mesh.values():
+        with quiet_redistribute():  # (its docstring says why)
+            norm = torch.nn.utils.get_total_norm(gradients, foreach=False)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=False)
+    return norm
+
+
+@contextlib.contextmanager
+def quiet_redistribute():
+    """Without DTensor's warning that a norm's partial sums over a 2-D mesh take "2 sequential
+    all_reduce operations" to add up (one over each dimension, each of a few numbers: the
+    gradients' norm, whose cost is nothing to warn about). Lesson 14 shows the warning."""
+    import logging
+
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def train_step(model, optimizer, tokens, plan: Plan) -> None:

@@ -104,23 +104,21 @@ def torchrun_job(directory, nproc: int = 4, max_restarts: int = 1, kill=None,
     if experiment != Experiment(steps=experiment.steps, save_every=experiment.save_every):
         raise ValueError("the torchrun script takes an Experiment's steps and save_every only; "
                          f"{experiment} sets more")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
-               # the agent's own files go with the job's, not to a new folder in /tmp
-               "--log-dir", os.path.join(directory, "torchelastic"),
-               "-m", "helpers.checkpoints_and_failures.elastic", str(directory),
-               "--steps", str(experiment.steps), "--save-every", str(experiment.save_every)]
+    arguments = [str(directory), "--steps", str(experiment.steps),
+                 "--save-every", str(experiment.save_every)]
     if kill is not None:
-        command += ["--kill-rank", str(kill[0]), "--kill-after", str(kill[1])]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-                   "LOGLEVEL": "INFO",  # the agent says what it does
-                   # each attempt a store of its own (the module docstring says why)
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                   # rendezvous through a TCP store: one DNS query, given 1 s (launcher README)
-                   "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1"),
-                   "PYTHONPATH": os.pathsep.join(filter(None, [_repository(),
-                                                               os.environ.get("PYTHONPATH")]))}
+        arguments += ["--kill-rank", str(kill[0]), "--kill-after", str(kill[1])]
+    return run_torchrun("helpers.checkpoints_and_failures.elastic", arguments, directory,
+                        nproc=nproc, max_restarts=max_restarts, timeout=timeout)
+
+
+def run_torchrun(module: str, arguments: list, directory, *, nproc: int, max_restarts: int,
+                 timeout: float) -> Job:
+    """`torchrun ... -m module *arguments` on this machine, its workers writing their events
+    (events.rank<r>.jsonl) and the final result (final.pt) to `directory`. Returns a Job."""
+    command = torchrun_command(module, arguments, directory, nproc=nproc,
+                               max_restarts=max_restarts)
+    environment = torchrun_environment()
     agent, started = [], timestamp()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=environment, start_new_session=True)
@@ -144,6 +142,30 @@ def torchrun_job(directory, nproc: int = 4, max_restarts: int = 1, kill=None,
     result = torch.load(final, weights_only=False) if os.path.exists(final) else None
     return Job(process.returncode, agent, sorted(events, key=lambda event: event["time"]),
                result, started)
+
+
+def torchrun_command(module: str, arguments: list, directory, *, nproc: int,
+                     max_restarts: int) -> list:
+    """The command line: `nproc` workers on this machine running `python -m module *arguments`,
+    started again up to `max_restarts` times."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+            # the agent's own files go with the job's, not to a new folder in /tmp
+            "--log-dir", os.path.join(directory, "torchelastic"),
+            "-m", module, *arguments]
+
+
+def torchrun_environment() -> dict:
+    """This process's environment, and what torchrun's workers need on this machine."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+            "LOGLEVEL": "INFO",  # the agent says what it does
+            # each attempt a store of its own (the module docstring says why)
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            # rendezvous through a TCP store: one DNS query, given 1 s (launcher README)
+            "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [_repository(),
+                                                        os.environ.get("PYTHONPATH")]))}
 
 
 def agent_story(job: Job) -> list:
