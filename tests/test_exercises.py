@@ -12,9 +12,10 @@ from helpers import exercises
 from helpers.lessons import lessons
 
 # Checked by the soak tier: lesson 13's layout exercise, whose reference solution runs a dozen fake
-# steps of Llama 3 8B (a minute and more); its checker's rejections are in make test
-# (tests/test_at_scale.py).
-SLOW = {"choose_plan"}
+# steps of Llama 3 8B (a minute and more), its checker's rejections in make test
+# (tests/test_at_scale.py); lesson 14's capstone, six launches of 4 ranks (15 s), its checker's
+# rejections in the soak tier too (tests/test_capstone.py).
+SLOW = {"choose_plan", "capstone"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.soak) if name in SLOW

@@ -1,0 +1,33 @@
+"""Lesson 14, the capstone: notebooks/14_capstone.ipynb.
+
+A Llama of the course's own learns to write Python from the standard library's source, on a 2 x 2
+mesh with everything the course taught at once, survives a killed rank under torchrun, and is
+profiled. corpus: the text, its held-out split and the unigram baseline. train: the recipe
+(`Config`), the loop (`train_worker`, every step equal in float64 to `one_process`) and its
+checkpoints. job: the same loop as a torchrun script, with a kill, Ctrl-C and a progress line;
+__main__: `make train`, that script for 600 steps, and the committed record of one such run
+(trained.json). sample: what a model writes. profiled: two steps under torch.profiler, what each
+choice of the recipe costs, and the machine's matmul peak; traces: compute, communication and
+their overlap, read from the profiler's traces. plots: drawn in the kernel. exercises: the checked
+exercise; solutions: its reference solution.
+"""
+
+NOTEBOOK = "14_capstone.ipynb"
+
+# The names this lesson takes from earlier lessons (tests/test_structure.py checks the imports):
+BUILDS_ON = {
+    "at_scale.accounting:Plan": "lesson 13's layout of a Llama: TP + SP, recomputation, FSDP2",
+    "at_scale.accounting:lay_out": "lesson 13's layout of a Llama: TP + SP, recomputation, FSDP2",
+    "at_scale.accounting:make_mesh": "lesson 13's mesh for a layout",
+    "at_scale.accounting:clip_to_norm": "torchtitan's clipping by the global norm (lesson 13)",
+    "at_scale.meta_init:init_weights": "lesson 13's initialisation: the same weights under any "
+                                       "layout",
+    "checkpoints_and_failures.resume:checkpoint_path": "lesson 12's checkpoint folders",
+    "checkpoints_and_failures.resume:keep_last": "lesson 12's checkpoint folders",
+    "checkpoints_and_failures.resume:latest_checkpoint": "lesson 12's checkpoint folders",
+    "checkpoints_and_failures.elastic:FINAL_FILE": "lesson 12's torchrun job",
+    "checkpoints_and_failures.elastic:Job": "lesson 12's torchrun job",
+    "checkpoints_and_failures.elastic:run_torchrun": "lesson 12's torchrun job",
+    "checkpoints_and_failures.elastic:torchrun_command": "lesson 12's torchrun job",
+    "checkpoints_and_failures.elastic:torchrun_environment": "lesson 12's torchrun job",
+}

@@ -1,0 +1,133 @@
+"""`make train`, or `python -m helpers.capstone`: the capstone's longer run, under torchrun.
+
+    python -m helpers.capstone                  train (or go on training) in runs/capstone
+    python -m helpers.capstone --fresh          start again from the first step
+    python -m helpers.capstone --steps 1200     a longer run (a new schedule: use --fresh)
+
+4 ranks on this machine (dp 2 x tp 2), the recipe of `TRAINED` below: about 10 minutes on 2 CPU
+cores. A progress line shows the step, the loss, the validation loss and the time left. Ctrl-C
+stops it between two steps, after a checkpoint; the same command goes on from there. At the end
+it writes the loss curve (loss.svg) and a sample of what the model writes (sample.txt), and prints
+the sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import torch
+
+from helpers.capstone.job import arguments_for, records
+from helpers.capstone.train import Config
+from helpers.checkpoints_and_failures.elastic import (
+    FINAL_FILE,
+    torchrun_command,
+    torchrun_environment,
+)
+
+# The longer run: the lesson's recipe, for 600 steps of 32 sequences of 256 bytes (4.9 million
+# bytes of text, the training text a little more than once).
+TRAINED = Config(batch=32, steps=600, warmup=30, lr=1e-2, save_every=50, eval_every=50)
+DIRECTORY = "runs/capstone"
+PROMPT = b"def "
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--directory", default=DIRECTORY)
+    parser.add_argument("--steps", type=int, default=TRAINED.steps)
+    parser.add_argument("--fresh", action="store_true", help="remove the run's checkpoints first")
+    parser.add_argument("--record", action="store_true", help="write the finished run's record "
+                        "to helpers/capstone/trained.json (what README and the key figure show)")
+    options = parser.parse_args(argv)
+    config = dataclasses.replace(TRAINED, steps=options.steps)
+    config.check()
+    if options.fresh and os.path.isdir(options.directory):
+        shutil.rmtree(options.directory)
+    os.makedirs(options.directory, exist_ok=True)
+    command = torchrun_command("helpers.capstone.job",
+                               [options.directory, *arguments_for(config), "--progress"],
+                               options.directory, nproc=config.ranks, max_restarts=0)
+    environment = {**torchrun_environment(), "LOGLEVEL": "WARNING"}  # the progress line only
+    # Ctrl-C reaches every process of the terminal's group: the workers save and leave (job.py);
+    # this one waits for them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    returncode = subprocess.run(command, env=environment).returncode
+    final = os.path.join(options.directory, FINAL_FILE)
+    if not os.path.exists(final):
+        print(f"torchrun ended with exit code {returncode} and no result in {final}",
+              file=sys.stderr)
+        return returncode or 1
+    config = torch.load(final, weights_only=False).config
+    steps, validation = records(options.directory)
+    text = finish(config, steps, validation, options.directory)
+    if options.record:
+        if max(steps) < config.steps:
+            print("not recorded: the run has not finished", file=sys.stderr)
+            return 1
+        record(config, steps, validation, text)
+    return 0
+
+
+def finish(config, steps: dict, validation: dict, directory) -> bytes:
+    """The loss curve (loss.svg) and a sample (sample.txt) from the newest checkpoint."""
+    from helpers.capstone import plots, sample
+    from helpers.capstone.corpus import python_source, unigram_bits
+
+    figure = plots.plot_run({"4 ranks, dp 2 x tp 2": (steps, validation)},
+                            unigram_bits(python_source()))
+    figure.savefig(os.path.join(directory, "loss.svg"))
+    weights = sample.weights_from_checkpoint(directory, config)
+    text = sample.generate(weights, config, PROMPT, length=400, seed=0)
+    with open(os.path.join(directory, "sample.txt"), "wb") as out:
+        out.write(text)
+    print(f"\nthe loss curve: {directory}/loss.svg; what the model writes after {PROMPT!r} "
+          f"({directory}/sample.txt):\n")
+    print(text.decode("utf-8", errors="replace"))
+    return text
+
+
+def record(config, steps: dict, validation: dict, text: bytes) -> None:
+    """helpers/capstone/trained.json: what this run did, where and with what."""
+    import json
+    import platform
+
+    from helpers.capstone.corpus import python_source, unigram_bits
+    from helpers.capstone.plots import TRAINED_FILE
+    from helpers.llama import Llama
+
+    corpus = python_source()
+    with open(TRAINED_FILE, "w") as out:
+        json.dump({"command": "make train (python -m helpers.capstone --fresh --record)",
+                   "config": dataclasses.asdict(config),
+                   "parameters": sum(p.numel() for p in Llama(config.shape).parameters()),
+                   "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+                   "python": platform.python_version(), "torch": torch.__version__,
+                   "unigram_bits": unigram_bits(corpus), "prompt": PROMPT.decode(),
+                   "sample": text.decode("utf-8", errors="replace"),
+                   "steps": steps, "validation": validation}, out, indent=1)
+        out.write("\n")
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as Linux reports it (/proc/cpuinfo), or the machine's type."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
