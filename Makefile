@@ -36,10 +36,10 @@ train: setup
 # The tiers: each is one pytest run on two workers (pytest-xdist; much of a test's time is ranks
 # waiting for each other or for a timeout, which the other worker fills). Each file, a notebook's
 # cells above all, runs on one worker in order (--dist loadfile). Slowest first, in the order
-# given: the browser test and the longest files start at once, short ones fill in behind them.
+# given: the longest files start at once, short ones fill in behind them.
 PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=12
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
-SLOWEST_FIRST := tests/test_browser.py notebooks/14_capstone.ipynb \
+SLOWEST_FIRST := notebooks/14_capstone.ipynb \
 	notebooks/12_checkpoints_and_failures.ipynb notebooks/13_at_scale.ipynb \
 	tests/test_exercises.py tests/test_launcher.py notebooks/09_pipeline_parallelism.ipynb \
 	notebooks/07_zero_and_fsdp.ipynb notebooks/04_measuring_communication.ipynb
@@ -56,8 +56,8 @@ ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_p
 # (tests/test_capstone.py, marked numerical). Checked once by hand under the tier's setting.
 LONG_RUNS := notebooks/14_capstone.ipynb
 
-# Does the course work? The linter, every test but the soaks and the slides, every notebook
-# against its committed outputs (nbval), two lessons in JupyterLab in a real browser.
+# Does the course work? The linter, every test but the soaks and the browser's, every notebook
+# against its committed outputs (nbval).
 test: setup lint
 	$(PYTEST) -m "not soak and not gpu and not slides" $(NBVAL) $(ALL)
 
@@ -65,9 +65,10 @@ test: setup lint
 soak: setup
 	$(PYTEST) -m soak tests
 
-# Every lesson as an instructor presents it: RISE's slides in Chromium at 1280 x 720, each
-# lesson's first widget run live and moved (tests/test_browser.py). One lesson a test, spread
-# over both workers; each prints what it measured (-rA shows it).
+# Every lesson in a real browser (tests/test_browser.py): as an instructor presents it, RISE's
+# slides in Chromium at 1280 x 720, each lesson's first widget run live and moved, one lesson a
+# test, spread over both workers, each printing what it measured (-rA shows it); and two lessons
+# in JupyterLab's notebook view, as a student runs them.
 slides: setup
 	$(PYTEST) --dist load -rA -m slides tests/test_browser.py
 

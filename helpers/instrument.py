@@ -434,15 +434,18 @@ def saved_activations(module: nn.Module | None = None, classify=None):
     parameters (the weights a layer keeps are not activations): yields a list of (storage
     pointer, bytes, kind); count each storage once (`saved_bytes`, `saved_bytes_by_kind`).
     `classify(tensor)` names each tensor's kind, or returns None to leave it out (by default
-    every tensor is kind "saved")."""
+    every tensor is kind "saved"). A DTensor counts as its local piece, the bytes this rank
+    holds."""
     parameters = ({param.untyped_storage().data_ptr() for param in module.parameters()}
                   if module is not None else set())
     saved = []
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
+        # a DTensor operation saved it: its local piece holds this rank's bytes
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
         if storage.data_ptr() not in parameters:
-            kind = "saved" if classify is None else classify(tensor)
+            kind = "saved" if classify is None else classify(local)
             if kind is not None:
                 saved.append((storage.data_ptr(), storage.nbytes(), kind))
         return tensor

@@ -125,6 +125,7 @@ def _screenshot(page, name):
     print(f"screenshot: {path}")
 
 
+@pytest.mark.slides  # the browser tier: make test leaves real browsers to it
 def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
     page, (base, token) = page
     _run_all_cells(page, base, token, "01_processes_and_groups.ipynb", "[NOT YET] column_sum")
@@ -152,6 +153,7 @@ def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
     _screenshot(page, "01_checker")
 
 
+@pytest.mark.slides
 def test_lesson_05_stepper_slider_redraws_the_ring(page):
     page, (base, token) = page
     _run_all_cells(page, base, token, "05_how_all_reduce_works.ipynb",

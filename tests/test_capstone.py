@@ -30,11 +30,16 @@ def close(got: dict, expected: dict) -> None:
     torch.testing.assert_close(got, expected)
 
 
+# make test runs two (the notebook a third: dp 2 x tp 2 with "op"); the soak and other-CPU tiers
+# every one.
+SOAK = pytest.mark.soak
+
+
 @pytest.mark.numerical
 @pytest.mark.parametrize("layout", [dict(dp=2, tp=2, recompute="none"),
-                                    dict(dp=2, tp=2, recompute="op"),
-                                    dict(dp=2, tp=2, recompute="full"),
-                                    dict(dp=4, tp=1, recompute="op"),
+                                    pytest.param(dict(dp=2, tp=2, recompute="op"), marks=SOAK),
+                                    pytest.param(dict(dp=2, tp=2, recompute="full"), marks=SOAK),
+                                    pytest.param(dict(dp=4, tp=1, recompute="op"), marks=SOAK),
                                     dict(dp=1, tp=2, recompute="full")],
                          ids=lambda layout: "dp{dp} x tp{tp}, recompute {recompute}".format(
                              **layout))
@@ -52,6 +57,7 @@ def test_the_run_equals_one_process_in_float64(layout):
 
 # --- resuming -----------------------------------------------------------------------------------
 
+@pytest.mark.soak  # 10 s; the notebook resumes bit for bit under torchrun in make test
 def test_a_run_stopped_and_resumed_in_new_processes_ends_bit_for_bit_as_the_uninterrupted(
         tmp_path):
     # bfloat16, as the lesson trains: the same operations on the same data give the same bits
@@ -182,9 +188,40 @@ def clipping_each_ranks_pieces(rank, world_size, job, directory, recompute):
     return solutions.capstone(rank, world_size, job, directory, recompute)
 
 
+def every_rank_alone(rank, world_size, job, directory, recompute):
+    """Every rank trains the whole model on the whole batch: right numbers, no parallelism."""
+    import torch.distributed.checkpoint as dcp
+
+    from helpers import layouts, reference
+    from helpers.capstone.solutions import NOT_NEEDED
+    from helpers.checkpoints_and_failures import resume
+
+    model = layouts.apply_ac(job.model(), "full" if recompute else "none")
+    optimizer = job.optimizer(model.parameters())
+    path, step = resume.latest_checkpoint(directory)
+    if path is not None:
+        resume.load_training(path, model, optimizer, {}, leave_out=NOT_NEEDED)
+    losses = {}
+    while step < job.steps:
+        batch = job.batch(step)
+        optimizer.zero_grad()
+        loss = reference.lm_loss(model(batch.inputs), batch.targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_norm)
+        optimizer.step()
+        step += 1
+        losses[step] = loss.item()
+        if step % job.save_every == 0:
+            dcp.save(resume.training_state(model, optimizer, {}, leave_out=NOT_NEEDED),
+                     checkpoint_id=resume.checkpoint_path(directory, step))
+    return losses, {name: value.detach().clone() for name, value in model.named_parameters()}
+
+
 @pytest.mark.soak  # each check launches 4 ranks several times
 @pytest.mark.parametrize(("mistake", "says"), [
     (without_recomputation, "fewer bytes kept for backward with recompute:"),
+    (every_rank_alone, "without recompute, fewer bytes kept than one process keeps for half "
+                       "the batch: expected True, got False"),
     (counting_from_zero_again, "the steps the second run trained"),
     (clipping_each_ranks_pieces, "the second run's losses, by step: 4: expected"),
 ])
@@ -222,7 +259,7 @@ def test_ctrl_c_saves_where_it_stopped_and_the_same_command_goes_on(tmp_path):
         if events.exists() and events.read_text().count('"event": "step"') >= 3:
             break
         time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: every process of the group
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C (torchrun sends it on)
     process.wait(timeout=60)
     stopped = torch.load(tmp_path / "final.pt", weights_only=False)
     last = max(stopped.steps)

@@ -142,6 +142,7 @@ def profiled_step_worker(rank, world_size, layers):
             "comm_debug": {str(op): count for op, count in comm.get_comm_counts().items()}}
 
 
+@pytest.mark.soak  # 5 s; the notebook (make test) counts its profiled steps against the Observer
 def test_a_profiled_step_holds_every_collective_the_formula_and_both_counters_count():
     expected = expected_collectives(LAYERS)
     gathers = ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_")

@@ -129,6 +129,7 @@ def test_every_kth_block_keeps_what_its_blocks_keep():
 
 
 @pytest.mark.numerical
+@pytest.mark.soak  # 11 s; lesson 14's float64 tests run recomputation under both in make test
 def test_recomputation_under_fsdp2_and_tensor_parallelism():
     """dp x tp = 2 x 2, float64: every setting equals one process; FSDP2 gathers the same in each
     (recomputation happens with the block's weights already gathered for backward); tensor

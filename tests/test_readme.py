@@ -50,3 +50,20 @@ def test_every_relative_link_leads_to_a_file():
                 if not re.match(r"[a-z]+:|#", target)}
     assert relative, "the patterns still find links"
     assert sorted(target for target in relative if not (ROOT / target).exists()) == []
+
+
+def test_what_the_readme_says_of_make_train_is_its_committed_record():
+    """The loss, the baseline, the machine and the sample quoted are those of
+    helpers/capstone/trained.json, the record `python -m helpers.capstone --record` writes."""
+    import json
+
+    record = json.loads((ROOT / "helpers/capstone/trained.json").read_text())
+    text = " ".join(README.read_text().split())
+    last = max(record["validation"], key=int)
+    assert f"fell to {record['validation'][last]:.2f} bits per byte" in text
+    assert f"against {record['unigram_bits']:.2f} for the byte frequencies alone" in text
+    assert f"({record['machine']})" in text
+    assert f"for {record['config']['steps']} steps" in text
+    section = README.read_text().split("## Training a model", 1)[1]
+    quoted = section.split("```\n", 1)[1].split("\n```", 1)[0]
+    assert record["sample"].startswith(quoted)

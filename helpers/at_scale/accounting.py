@@ -165,9 +165,9 @@ def join_fake_group(world_size: int, rank: int = 0) -> None:
 
 def clip_to_norm(model, max_norm: float) -> torch.Tensor:
     """torchtitan's clip_grad_norm_ (torchtitan/utils.py at 9dec370): the gradients' global norm
-    from each rank's pieces, a DTensor made whole (one all-reduce of a number), then every
-    gradient scaled by max_norm / norm where that is below 1. One tensor at a time
-    (foreach=False, where torchtitan lets PyTorch choose): under FakeTensorMode, PyTorch's
+    from each rank's pieces, a DTensor made whole (an all-reduce of a few numbers per mesh
+    dimension), then every gradient scaled by max_norm / norm where that is below 1. One tensor
+    at a time (foreach=False, where torchtitan lets PyTorch choose): under FakeTensorMode, PyTorch's
     foreach norm of a deep model's FSDP gradients holds a fake copy of them that real ranks never
     allocate (a 32-block model: 4 times its gradient shards), so the fake peak would be wrong;
     one tensor at a time, fake = real (tests/test_at_scale.py). Gradients on different meshes
@@ -194,7 +194,7 @@ def clip_to_norm(model, max_norm: float) -> torch.Tensor:
 def quiet_redistribute():
     """Without DTensor's warning that a norm's partial sums over a 2-D mesh take "2 sequential
     all_reduce operations" to add up (one over each dimension, each of a few numbers: the
-    gradients' norm, whose cost is nothing to warn about). Lesson 14 shows the warning."""
+    gradients' norm, whose cost is nothing to warn about). Lesson 14 quotes the warning."""
     import logging
 
     logger = logging.getLogger("torch.distributed.tensor._redistribute")

@@ -25,6 +25,10 @@ BUILDS_ON = {
     "checkpoints_and_failures.resume:checkpoint_path": "lesson 12's checkpoint folders",
     "checkpoints_and_failures.resume:keep_last": "lesson 12's checkpoint folders",
     "checkpoints_and_failures.resume:latest_checkpoint": "lesson 12's checkpoint folders",
+    "checkpoints_and_failures.resume:load_training": "lesson 12's checkpoint (the exercise's "
+                                                     "reference solution)",
+    "checkpoints_and_failures.resume:training_state": "lesson 12's checkpoint (the exercise's "
+                                                      "reference solution)",
     "checkpoints_and_failures.elastic:FINAL_FILE": "lesson 12's torchrun job",
     "checkpoints_and_failures.elastic:Job": "lesson 12's torchrun job",
     "checkpoints_and_failures.elastic:run_torchrun": "lesson 12's torchrun job",

@@ -55,8 +55,9 @@ def main(argv=None) -> int:
                                [options.directory, *arguments_for(config), "--progress"],
                                options.directory, nproc=config.ranks, max_restarts=0)
     environment = {**torchrun_environment(), "LOGLEVEL": "WARNING"}  # the progress line only
-    # Ctrl-C reaches every process of the terminal's group: the workers save and leave (job.py);
-    # this one waits for them.
+    # Ctrl-C reaches this process and torchrun (its workers run in sessions of their own);
+    # torchrun's agent sends it on to every worker, which saves and leaves (job.py). This one
+    # waits for them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     returncode = subprocess.run(command, env=environment).returncode
     final = os.path.join(options.directory, FINAL_FILE)

@@ -35,7 +35,7 @@ class CapstoneJob:
     save_every: int = 3
     batch_size: int = 8
     seq_len: int = 16
-    max_norm: float = 0.5  # small enough that clipping acts: the norms here start above 1
+    max_norm: float = 0.5  # small enough that clipping acts: the norms here are 0.6 to 0.7
     seed: int = 0
     kill_after: int | None = None
 
@@ -77,38 +77,69 @@ def _kept_and_result(function):
     return worker
 
 
-def _run(function, job, directory, recompute):
-    return run(_kept_and_result(function), WORLD, args=(job, directory, recompute), timeout=90,
-               show_output=False)
+def _run(function, job, directory, recompute, which):
+    """One launch of the learner's loop; a rank's error says which of the checker's runs it
+    was (`which`)."""
+    try:
+        return run(_kept_and_result(function), WORLD, args=(job, directory, recompute),
+                   timeout=90, show_output=False)
+    except WorkerError as error:
+        if error.type_name == "NotImplementedError":
+            raise NotImplementedError from None  # not started: the engine says so kindly
+        if error.type_name == "died" and which == FIRST:
+            raise
+        raise RankError(f"in {which}, {error}") from None
+
+
+class RankError(Exception):
+    """A rank raised in one of the checker's runs; the message says which run."""
+
+
+FIRST = "the first run (recompute=True, rank 3 killed)"
 
 
 def _interrupted(function, kill_after):
     """Run the learner's loop with recomputation on 4 ranks, rank 3 killed after step
     `kill_after`; then again in new processes on the same directory, as torchrun would; then once
     more, whole, without recomputation. Returns the second run's steps, losses and final weights,
-    and whether recomputation kept fewer bytes a step."""
+    whether recomputation kept fewer bytes a step than the whole run without it, and whether
+    that run kept fewer than one process does for half the batch."""
     with tempfile.TemporaryDirectory(prefix="helpers-capstone-") as directory:
         try:
-            _run(function, replace(JOB, kill_after=kill_after), directory, True)
-        except WorkerError as error:
-            if error.type_name == "NotImplementedError":
-                raise NotImplementedError from None  # not started: the engine says so kindly
-            if error.type_name != "died":
-                raise
+            _run(function, replace(JOB, kill_after=kill_after), directory, True, FIRST)
+        except WorkerError:  # rank 3 died, as it should
+            pass
         else:
             return "the first run finished: did it load each step's batch with job.batch(step)?"
-        resumed = _run(function, JOB, directory, True)
+        resumed = _run(function, JOB, directory, True,
+                       "the second run (recompute=True, resumed after the kill)")
     with tempfile.TemporaryDirectory(prefix="helpers-capstone-") as directory:
-        plain = _run(function, JOB, directory, False)
-    (result, kept_resumed), (_, kept_plain) = resumed[0], plain[0]
+        plain = _run(function, JOB, directory, False, "the whole run with recompute=False")
+    result = resumed[0][0]
     if not (isinstance(result, (tuple, list)) and len(result) == 2
             and isinstance(result[0], dict) and isinstance(result[1], dict)):
         return (f"your function returned {type(result).__name__} {str(result)[:60]}; the task "
                 "asks for a tuple (losses, weights)")
     losses, weights = result
-    per_step = {True: kept_resumed / max(1, len(losses)),
-                False: kept_plain / max(1, len(plain[0][0][0]))}
-    return sorted(losses), losses, weights, per_step[True] < per_step[False]
+    # bytes a step, on the rank that kept the most
+    with_recompute = max(kept for _, kept in resumed) / max(1, len(losses))
+    without = max(kept for _, kept in plain) / JOB.steps
+    return (sorted(losses), losses, weights, with_recompute < without,
+            without < _half_batch_bytes())
+
+
+def _half_batch_bytes() -> float:
+    """The bytes one process keeps for backward in a step on half of each batch (a copy of it),
+    with no recomputation: what data parallelism alone would leave each rank."""
+    model, batches = JOB.model(), JOB.batches()
+    optimizer = JOB.optimizer(model.parameters())
+    with saved_activations() as saved:
+        for batch in batches:
+            half = batch.shard(0, 2)
+            optimizer.zero_grad()
+            reference.lm_loss(model(half.inputs.clone()), half.targets.clone()).backward()
+            optimizer.step()
+    return sum(size for _, size, _ in saved) / len(batches)
 
 
 def _uninterrupted(kill_after):
@@ -117,31 +148,43 @@ def _uninterrupted(kill_after):
     trained = reference.train(model, batches, reference.lm_loss, max_grad_norm=JOB.max_norm)
     resumed_after = kill_after // JOB.save_every * JOB.save_every
     steps = list(range(resumed_after + 1, JOB.steps + 1))
-    return (steps, {step: trained.losses[step - 1] for step in steps}, trained.parameters, True)
+    return (steps, {step: trained.losses[step - 1] for step in steps}, trained.parameters, True,
+            True)
 
 
 EXERCISES["capstone"] = Exercise(
     "capstone(rank, world_size, job, directory, recompute) trains job.model() (a float64 "
     "TinyLM) on 4 ranks laid out as 2 data-parallel x 2 tensor-parallel, for job.steps steps: "
     "step s (counted from 0) on job.batch(s), the whole batch, each data-parallel rank on its "
-    "half; the next-token loss (reference.lm_loss); gradients clipped to a global norm of "
-    "job.max_norm (the norm of every gradient of the whole model); then an AdamW step "
-    "(job.optimizer). With `recompute` it keeps fewer bytes for backward than without, and "
-    "computes the same. It saves a checkpoint to `directory` after every job.save_every-th "
+    "half (.shard(dp_rank, 2)); the whole batch's next-token loss (reference.lm_loss), which is "
+    "the mean of the two halves'; gradients clipped as torch.nn.utils.clip_grad_norm_ clips "
+    "them, to a global norm of job.max_norm (the norm of every gradient of the whole model, "
+    "scaled by max_norm / (norm + 1e-6) where that is below 1); then an AdamW step "
+    "(job.optimizer(parameters)). Without `recompute`, each rank keeps for backward fewer bytes "
+    "a step than one process keeps for half the batch (what data parallelism alone would "
+    "leave it: tensor parallelism must cut the blocks' share); with `recompute` fewer still, "
+    "computing the same. It saves a checkpoint to `directory` after every job.save_every-th "
     "step, and resumes from the newest one there. It returns a tuple (losses, weights): {step: "
     "the whole batch's loss} for the steps this run trained (counted from 1, Python floats), "
-    "and {name: whole weight} named as in job.model(). The checker kills rank 3 while it loads "
-    "a batch (the case's kill_after = k: step k + 1's) and starts the function again, in new "
-    "processes, on the same directory: that run must start after the newest checkpoint and end "
-    "as one process trains (reference.train), loss for loss and weight for weight",
+    "and {name: whole weight} named as in job.model(); any rank may be any coordinate of the "
+    "mesh. The checker runs it with `recompute` and kills rank 3 while it loads a batch (kill_"
+    "after = k: step k + 1's; k = 4, then 6), starts it again in new processes on the same "
+    "directory: that run must start after the newest checkpoint and end as one process trains "
+    "(reference.train), loss for loss and weight for weight; then it runs it whole without "
+    "`recompute`. It counts the bytes autograd keeps for backward on every rank, as they are "
+    "saved (saved tensors hooks: a checkpointed region's are not seen)",
     KILL_CASES,
     _uninterrupted,
     distributed=False,
     harness=_interrupted,
     names=("the steps the second run trained", "the second run's losses, by step",
-           "the weights at the end", "fewer bytes kept for backward with recompute"),
+           "the weights at the end", "fewer bytes kept for backward with recompute",
+           "without recompute, fewer bytes kept than one process keeps for half the batch"),
     rel_tol=1e-9,  # float64 against one process: rounding ~1e-16 of each sum (helpers.tolerance)
     timeout=300,
     hint="which steps did the second run train, and did it load the optimizer's state too? "
-         "With tensor parallelism, the gradients' global norm takes every rank's pieces.",
+         "The loss and the gradients are the whole batch's: each data-parallel half's, "
+         "averaged. The gradients' global norm takes every rank's pieces, once each (a model "
+         "laid out in part has gradients on two meshes: lesson 13's accounting.clip_to_norm "
+         "norms each mesh's apart).",
 )

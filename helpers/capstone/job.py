@@ -8,7 +8,9 @@ Every field of `train.Config` is a flag (`--save-every 50`, `--recompute full`, 
 `--kill-rank R --kill-after S` kills rank R with SIGKILL after step S, in the first attempt only
 (to see torchrun restart the group). Ctrl-C (or SIGTERM: a cluster's scheduler ending a job) is
 noticed between steps: the ranks agree to stop, save a checkpoint, say where, and leave; the same
-command resumes. Each rank appends its events to DIRECTORY/events.rank<r>.jsonl (as lesson 12's
+command resumes. (torchrun runs its workers in sessions of their own: a terminal's Ctrl-C reaches
+torchrun, whose agent sends the signal on to every worker and kills those still alive 30 s later,
+--shutdown-timeout.) Each rank appends its events to DIRECTORY/events.rank<r>.jsonl (as lesson 12's
 job does: `elastic.Job` reads them), each step's with its loss, learning rate, gradient norm,
 seconds and validation loss (`records` reads them back, every attempt's); rank 0 writes this
 attempt's History to DIRECTORY/final.pt.

@@ -35,7 +35,7 @@ def plot_run(runs: dict, unigram: float | None = None, title: str = ""):
                     textcoords="offset points", fontsize=8, color=GREY)
     ax.set_xlabel("step")
     ax.set_ylabel("loss, bits per byte")
-    ax.set_ylim(top=min(8.5, ax.get_ylim()[1]))
+    ax.set_ylim(top=min(9.5, ax.get_ylim()[1]))  # an untrained model starts near 8.8
     ax.legend(fontsize=8, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)

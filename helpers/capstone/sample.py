@@ -6,8 +6,8 @@
 - `weights_from_checkpoint(directory, config)`: the whole weights of the newest checkpoint in
   `directory`, read in this one process (DCP puts the ranks' pieces together).
 - `printable_share(text)`: the share of the bytes of `text` that are printable ASCII, spaces,
-  tabs or newlines: 98 of the 256 byte values, so about 0.38 of what a model that guesses
-  uniformly writes, and all of what the standard library's source holds, nearly.
+  tabs, newlines or carriage returns: 98 of the 256 byte values, so about 0.38 of what a model
+  that guesses uniformly writes, and nearly all of what the standard library's source holds.
 """
 
 from __future__ import annotations

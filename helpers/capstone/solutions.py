@@ -1,14 +1,20 @@
 """Reference solutions of lesson 14's exercises. Try the exercise first."""
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import layouts, reference, strategies
 from helpers.at_scale.accounting import clip_to_norm
-from helpers.checkpoints_and_failures.resume import checkpoint_path, latest_checkpoint
+from helpers.checkpoints_and_failures.resume import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_training,
+    training_state,
+)
 from helpers.launcher.result import get_device
 from helpers.training import mean_over
+
+NOT_NEEDED = ("sampler", "rng")
 
 
 def capstone(rank, world_size, job, directory, recompute):
@@ -19,11 +25,8 @@ def capstone(rank, world_size, job, directory, recompute):
     layouts.apply_fsdp(model, mesh["dp"])
     optimizer = job.optimizer(model.parameters())
     path, step = latest_checkpoint(directory)
-    if path is not None:
-        state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+    if path is not None:  # lesson 12's checkpoint: the batches need no sampler, the loop no RNG
+        load_training(path, model, optimizer, {}, leave_out=NOT_NEEDED)
     dp_rank = mesh["dp"].get_local_rank()
     losses = {}
     while step < job.steps:
@@ -36,6 +39,6 @@ def capstone(rank, world_size, job, directory, recompute):
         step += 1
         losses[step] = mean_over(loss.item(), mesh["dp"].get_group())
         if step % job.save_every == 0:
-            state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-            dcp.save(state, checkpoint_id=checkpoint_path(directory, step))
+            dcp.save(training_state(model, optimizer, {}, leave_out=NOT_NEEDED),
+                     checkpoint_id=checkpoint_path(directory, step))
     return losses, strategies.full_parameters(model)
