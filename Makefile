@@ -37,7 +37,7 @@ train: setup
 # waiting for each other or for a timeout, which the other worker fills). Each file, a notebook's
 # cells above all, runs on one worker in order (--dist loadfile). Slowest first, in the order
 # given: the longest files start at once, short ones fill in behind them.
-PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=12
+PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 SLOWEST_FIRST := notebooks/14_capstone.ipynb \
 	notebooks/12_checkpoints_and_failures.ipynb notebooks/13_at_scale.ipynb \

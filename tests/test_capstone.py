@@ -270,3 +270,44 @@ def test_ctrl_c_saves_where_it_stopped_and_the_same_command_goes_on(tmp_path):
     assert finished.result.started_after == last
     assert finished.result.losses() == {step: loss for step, loss in whole.losses().items()
                                         if step > last}
+
+
+# --- the global norm exercise rejects typical mistakes ------------------------------------------
+
+def counting_shared_pieces_twice(rank, world_size, pieces, dp_rank, tp_rank):
+    import math
+
+    import torch.distributed as dist
+
+    total = torch.zeros(1, dtype=torch.float64)
+    for piece in pieces.values():
+        total += piece.double().pow(2).sum()
+    dist.all_reduce(total)
+    return math.sqrt(total.item())
+
+
+def one_all_reduce_per_dimension(rank, world_size, pieces, dp_rank, tp_rank):
+    """Right, as DTensor does it: over dp, then over tp (what the task's rule forbids)."""
+    import math
+
+    import torch.distributed as dist
+
+    dp_groups = [dist.new_group([dp * 2 + tp for dp in range(world_size // 2)]) for tp in (0, 1)]
+    tp_groups = [dist.new_group([dp * 2, dp * 2 + 1]) for dp in range(world_size // 2)]
+    blocks = sum(piece.double().pow(2).sum() for name, piece in pieces.items()
+                 if name.startswith("blocks."))
+    shared = sum(piece.double().pow(2).sum() for name, piece in pieces.items()
+                 if not name.startswith("blocks."))
+    total = torch.stack([blocks, shared])
+    dist.all_reduce(total, group=dp_groups[tp_rank])
+    blocks_only = total[:1].clone()
+    dist.all_reduce(blocks_only, group=tp_groups[dp_rank])
+    return math.sqrt((blocks_only + total[1]).item())
+
+
+@pytest.mark.parametrize(("mistake", "says"), [
+    (counting_shared_pieces_twice, "Hint: does each piece count once?"),
+    (one_all_reduce_per_dimension, "rank 0's all_reduce calls held [2, 1] elements (2 calls)"),
+])
+def test_the_global_norm_checker_rejects(mistake, says):
+    expect_rejection("global_norm", mistake, says)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import tempfile
 from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 
 from helpers import reference
@@ -14,6 +16,7 @@ from helpers.exercises import Exercise
 from helpers.instrument import saved_activations
 from helpers.launcher import run
 from helpers.launcher.report import WorkerError
+from helpers.rules import CallSizes, Only
 
 EXERCISES = {}
 
@@ -187,4 +190,49 @@ EXERCISES["capstone"] = Exercise(
          "averaged. The gradients' global norm takes every rank's pieces, once each (a model "
          "laid out in part has gradients on two meshes: lesson 13's accounting.clip_to_norm "
          "norms each mesh's apart).",
+)
+
+
+# --- one norm over two mesh dimensions ----------------------------------------------------------
+
+NORM_CASES = [(4, (0,)), (4, (1,)), (8, (2,))]  # (world size, (seed,)): dp 2 or 4, tp 2
+
+
+def _gradients(seed: int) -> dict:
+    """A model's whole gradients: two blocks' weights, cut over dp (rows) and tp (columns); an
+    embedding and a head cut over dp only, the same piece on both tp partners."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"blocks.0.weight": (8, 6), "blocks.1.weight": (8, 6), "embedding.weight": (16, 4),
+              "head.weight": (8, 16)}
+    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def _norm_pieces(rank, world_size, seed):
+    """What a rank of the dp x tp mesh holds, rank = dp_rank x 2 + tp_rank."""
+    dp, tp = world_size // 2, 2
+    dp_rank, tp_rank = divmod(rank, tp)
+    pieces = {}
+    for name, whole in _gradients(seed).items():
+        rows = whole.chunk(dp, dim=0)[dp_rank]
+        pieces[name] = rows.chunk(tp, dim=1)[tp_rank] if name.startswith("blocks.") else rows
+    return pieces, dp_rank, tp_rank
+
+
+def _norm_expected(rank, world_size, seed):
+    return math.sqrt(sum(float(whole.double().pow(2).sum()) for whole in _gradients(seed).values()))
+
+
+EXERCISES["global_norm"] = Exercise(
+    "global_norm(rank, world_size, pieces, dp_rank, tp_rank) returns, on every rank, the global "
+    "norm of a model's whole gradients, as a Python float, from the pieces each rank of a dp x "
+    "tp mesh holds (tp = 2, rank = dp_rank x 2 + tp_rank): `pieces` maps a name to this rank's "
+    "piece; a name starting with \"blocks.\" is cut over both dp and tp (every rank holds a "
+    "piece of its own), the others over dp only (both tp partners hold the same piece). It "
+    "uses one all_reduce, of one number, and no other communication: the two mesh dimensions "
+    "as one, which is what DTensor's \"2 sequential all_reduce\" warning asks for",
+    NORM_CASES, _norm_expected,
+    inputs=_norm_pieces,
+    rules=(Only("all_reduce", text="use one all_reduce and no other communication"),
+           CallSizes("all_reduce", lambda n, seed: [1], text="one all_reduce, of one number")),
+    hint="does each piece count once? Both tp partners hold the same embedding and head.",
 )
