@@ -30,16 +30,14 @@ def close(got: dict, expected: dict) -> None:
     torch.testing.assert_close(got, expected)
 
 
-# make test runs two (the notebook a third: dp 2 x tp 2 with "op"); the soak and other-CPU tiers
-# every one.
-SOAK = pytest.mark.soak
-
-
+# In make test the notebook runs one of these (dp 2 x tp 2, recompute "op", nbval compares its
+# verdict); the soak and other-CPU tiers run every one here.
 @pytest.mark.numerical
+@pytest.mark.soak
 @pytest.mark.parametrize("layout", [dict(dp=2, tp=2, recompute="none"),
-                                    pytest.param(dict(dp=2, tp=2, recompute="op"), marks=SOAK),
-                                    pytest.param(dict(dp=2, tp=2, recompute="full"), marks=SOAK),
-                                    pytest.param(dict(dp=4, tp=1, recompute="op"), marks=SOAK),
+                                    dict(dp=2, tp=2, recompute="op"),
+                                    dict(dp=2, tp=2, recompute="full"),
+                                    dict(dp=4, tp=1, recompute="op"),
                                     dict(dp=1, tp=2, recompute="full")],
                          ids=lambda layout: "dp{dp} x tp{tp}, recompute {recompute}".format(
                              **layout))
@@ -57,24 +55,8 @@ def test_the_run_equals_one_process_in_float64(layout):
 
 # --- resuming -----------------------------------------------------------------------------------
 
-@pytest.mark.soak  # 10 s; the notebook resumes bit for bit under torchrun in make test
-def test_a_run_stopped_and_resumed_in_new_processes_ends_bit_for_bit_as_the_uninterrupted(
-        tmp_path):
-    # bfloat16, as the lesson trains: the same operations on the same data give the same bits
-    config = dataclasses.replace(TINY, bf16=True, float64=False, steps=6, save_every=2,
-                                 recompute="op")
-    whole = run(train_worker, 4, args=(config,), kwargs={"weights": True},
-                show_output=False).results[0]
-    run(train_worker, 4, args=(config, str(tmp_path)), kwargs={"stop_after": 3},
-        show_output=False)
-    resumed = run(train_worker, 4, args=(config, str(tmp_path)), kwargs={"weights": True},
-                  show_output=False).results[0]
-    assert resumed.started_after == 2  # the newest checkpoint when the first run stopped
-    assert resumed.losses() == {step: loss for step, loss in whole.losses().items() if step > 2}
-    torch.testing.assert_close(resumed.weights, whole.weights, rtol=0, atol=0)
-
-
 @pytest.mark.numerical
+@pytest.mark.soak  # 4 s of make test's 8 minutes
 def test_a_checkpoint_resumes_on_another_layout_of_the_same_model(tmp_path):
     """DCP reshards: a dp 2 x tp 2 checkpoint goes on as dp 4, equal to one process."""
     config = dataclasses.replace(TINY, save_every=2)
@@ -231,45 +213,34 @@ def test_the_capstone_checker_rejects(mistake, says):
 
 # --- the torchrun job ---------------------------------------------------------------------------
 
-@pytest.mark.soak  # two torchrun jobs and a launch: 30 s
-def test_torchrun_restarts_a_killed_rank_and_the_run_goes_on_bit_for_bit(tmp_path):
-    config = dataclasses.replace(TINY, bf16=True, float64=False, steps=6, save_every=2,
-                                 recompute="op")
-    killed = job.torchrun_job(str(tmp_path), config, kill=(3, 3))
-    whole = run(train_worker, 4, args=(config,), show_output=False).results[0]
-    assert killed.returncode == 0
-    assert {event["attempt"] for event in killed.events} == {0, 1}
-    assert killed.result.started_after == 2  # the newest checkpoint when rank 3 died
-    assert killed.result.losses() == {step: loss for step, loss in whole.losses().items()
-                                      if step > 2}
-    steps, _ = job.records(str(tmp_path))  # both attempts' steps, as a plot reads them
-    assert {step: record["loss"] for step, record in steps.items()} == whole.losses()
-
-
+# The notebook's torchrun job (make test) is killed and resumes bit for bit; here, the other way
+# a job stops.
 @pytest.mark.soak
 def test_ctrl_c_saves_where_it_stopped_and_the_same_command_goes_on(tmp_path):
-    config = dataclasses.replace(TINY, bf16=True, float64=False, steps=40, save_every=100,
+    config = dataclasses.replace(TINY, bf16=True, float64=False, steps=20, save_every=100,
                                  recompute="op")
     command = torchrun_command("helpers.capstone.job", [str(tmp_path), *job.arguments_for(config)],
                                str(tmp_path), nproc=4, max_restarts=0)
     process = subprocess.Popen(command, env=torchrun_environment(), start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     events = tmp_path / "events.rank0.jsonl"
-    for _ in range(600):  # until rank 0 has trained 3 steps (at most 60 s)
-        if events.exists() and events.read_text().count('"event": "step"') >= 3:
+    for _ in range(600):  # until rank 0 has trained a step (at most 60 s)
+        if events.exists() and '"event": "step"' in events.read_text():
             break
-        time.sleep(0.1)
+        time.sleep(0.05)
     os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C (torchrun sends it on)
     process.wait(timeout=60)
     stopped = torch.load(tmp_path / "final.pt", weights_only=False)
     last = max(stopped.steps)
-    assert 3 <= last < config.steps
+    assert 1 <= last < config.steps
     assert latest_checkpoint(str(tmp_path))[1] == last  # saved where it stopped, not at 100
     finished = job.torchrun_job(str(tmp_path), config, max_restarts=0)
     whole = run(train_worker, 4, args=(config,), show_output=False).results[0]
     assert finished.result.started_after == last
     assert finished.result.losses() == {step: loss for step, loss in whole.losses().items()
                                         if step > last}
+    steps, _ = job.records(str(tmp_path))  # both attempts' steps, as a plot reads them
+    assert {step: record["loss"] for step, record in steps.items()} == whole.losses()
 
 
 # --- the global norm exercise rejects typical mistakes ------------------------------------------
