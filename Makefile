@@ -61,9 +61,11 @@ LONG_RUNS := notebooks/14_capstone.ipynb
 test: setup lint
 	$(PYTEST) -m "not soak and not gpu and not slides" $(NBVAL) $(ALL)
 
-# Rare faults, slow by design: repetition, races between processes, real torchrun jobs.
+# Rare faults, slow by design: repetition, races between processes, real torchrun jobs. Test by
+# test over both workers (no notebooks here): a file's slow tests, lesson 13's and 14's above
+# all, need not wait for each other on one worker.
 soak: setup
-	$(PYTEST) -m soak tests
+	$(PYTEST) --dist load -m soak tests
 
 # Every lesson in a real browser (tests/test_browser.py): as an instructor presents it, RISE's
 # slides in Chromium at 1280 x 720, each lesson's first widget run live and moved, one lesson a
