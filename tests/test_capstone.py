@@ -1,5 +1,6 @@
-"""Lesson 14: the capstone's run equals one process (float64, every layout of 4 ranks), resumes
-exactly, refuses what it cannot run, and learns: the corpus, its baseline, the schedule."""
+"""Lesson 14: the capstone's run equals one process (float64, on three layouts), resumes exactly,
+refuses what it cannot run, and learns: the corpus, its baseline, the schedule; its exercises'
+checkers reject typical mistakes."""
 
 import dataclasses
 import math
