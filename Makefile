@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab present train test soak other-cpu slides ci test-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present train cluster test soak other-cpu slides cluster-tests ci test-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -33,6 +33,11 @@ present: setup
 train: setup
 	$(PY) -m helpers.capstone $(ARGS)
 
+# A real Slurm of two nodes on this machine (lesson 15), until Ctrl-C: munge, slurmctld, two slurmd.
+# As root: installs Debian's slurm-wlm and munge first where they are missing.
+cluster: setup
+	$(PY) -m helpers.on_a_cluster.cluster up
+
 # The tiers: each is one pytest run on two workers (pytest-xdist; much of a test's time is ranks
 # waiting for each other or for a timeout, which the other worker fills). Each file, a notebook's
 # cells above all, runs on one worker in order (--dist loadfile). Slowest first, in the order
@@ -43,8 +48,12 @@ SLOWEST_FIRST := notebooks/14_capstone.ipynb \
 	notebooks/12_checkpoints_and_failures.ipynb notebooks/13_at_scale.ipynb \
 	tests/test_exercises.py tests/test_launcher.py notebooks/09_pipeline_parallelism.ipynb \
 	notebooks/07_zero_and_fsdp.ipynb notebooks/04_measuring_communication.ipynb
+# Lesson 15 runs against a real Slurm cluster, in a tier of its own (cluster-tests).
+ON_A_CLUSTER := notebooks/15_on_a_cluster.ipynb tests/test_on_a_cluster.py \
+	tests/test_on_a_cluster_exercises.py
 # Every file named once, in that order (pytest drops a file also covered by a folder given).
-ALL := $(SLOWEST_FIRST) $(filter-out $(SLOWEST_FIRST),$(NOTEBOOKS) $(wildcard tests/test_*.py))
+ALL := $(SLOWEST_FIRST) $(filter-out $(SLOWEST_FIRST) $(ON_A_CLUSTER),$(NOTEBOOKS) \
+	$(wildcard tests/test_*.py)) tests/test_on_a_cluster.py
 # Notebooks no rounding can change (whole numbers, timings nbval ignores, counts, messages,
 # bit-for-bit and float64 comparisons): the other-CPU tier leaves them out.
 ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_point.ipynb \
@@ -59,7 +68,7 @@ LONG_RUNS := notebooks/14_capstone.ipynb
 # Does the course work? The linter, every test but the soaks and the browser's, every notebook
 # against its committed outputs (nbval).
 test: setup lint
-	$(PYTEST) -m "not soak and not gpu and not slides" $(NBVAL) $(ALL)
+	$(PYTEST) -m "not soak and not gpu and not slides and not cluster" $(NBVAL) $(ALL)
 
 # Rare faults, slow by design: repetition, races between processes, real torchrun jobs. Test by
 # test over both workers (no notebooks here): a file's slow tests, lesson 13's and 14's above
@@ -73,6 +82,13 @@ soak: setup
 # in JupyterLab's notebook view, as a student runs them.
 slides: setup
 	$(PYTEST) --dist load -rA -m slides tests/test_browser.py
+
+# Lesson 15 against a real Slurm of two nodes that each test starts (as root; Debian's slurm-wlm
+# and munge, installed here where missing): its notebook under nbval, the requeued job equal to
+# plain torchrun, the exercises' checkers submitting for real. Three files over both workers.
+cluster-tests: setup
+	$(PY) -m helpers.on_a_cluster.cluster install
+	REQUIRE_CLUSTER=1 $(PYTEST) -m "cluster or notebook" $(NBVAL) $(ON_A_CLUSTER)
 
 # Another CPU's rounding: PyTorch's kernels without vector instructions sum in other orders. The
 # tests marked numerical (not those marked once, nor the checkers': messages) and the notebooks
@@ -89,7 +105,7 @@ test-gpu: setup
 	$(PY) -m pytest -m gpu -v tests/test_gpu.py
 
 # Every tier on this Python (.ci/run adds another Python's).
-ci: test soak other-cpu slides
+ci: test soak other-cpu slides cluster-tests
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
 # launcher's tests (its soaks included) and one notebook. `make test-python PYTHON=python3.13`

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 
 import torch
@@ -54,6 +55,8 @@ def main(argv=None) -> None:
             if what == "step" or (what == "started" and step == 0):  # the record, for a plot
                 event.update(history.steps.get(step, {}),
                              validation=history.validation.get(step))
+            if what == "started":  # where this rank runs: a cluster's node, torchrun's numbers
+                event.update(where())
             log.write(json.dumps(event) + "\n")
             log.flush()
             if (what == "step" and attempt == 0 and rank == options.kill_rank
@@ -66,6 +69,9 @@ def main(argv=None) -> None:
         def stop(step) -> bool:  # any rank asked: all stop, at the same step
             flag = torch.tensor([float(asked_to_stop())], device=get_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                log.write(json.dumps({"time": timestamp(), "rank": rank, "attempt": attempt,
+                                      "event": "stopping", "step": step}) + "\n")
             return bool(flag.item())
 
         history = train_worker(rank, world_size, config, options.directory, on_event=on_event,
@@ -150,6 +156,18 @@ def torchrun_job(directory, config: Config, *, kill=None, stop_after=None,
         arguments += ["--kill-rank", str(kill[0]), "--kill-after", str(kill[1])]
     return run_torchrun("helpers.capstone.job", arguments, directory, nproc=config.ranks,
                         max_restarts=max_restarts, timeout=timeout)
+
+
+def where() -> dict:
+    """Who started this rank and where: the host; under Slurm its node, the job's restart and
+    the task's number (SLURM_PROCID); under torchrun (TORCHELASTIC_RUN_ID set) the node's rank
+    in the rendezvous (GROUP_RANK); the rank on its node (LOCAL_RANK)."""
+    return {"host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME"),
+            "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            "task": os.environ.get("SLURM_PROCID"),
+            "torchrun": "TORCHELASTIC_RUN_ID" in os.environ,
+            "group_rank": os.environ.get("GROUP_RANK"),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
 
 
 def catch_stop_signals():

@@ -159,7 +159,8 @@ def plot_job(job, story: list):
     attempts = sorted({event["attempt"] for event in job.events})
     fig, axes = plt.subplot_mosaic([["all"] * len(attempts), attempts], figsize=(10, 5.2),
                                    height_ratios=[1, 1])
-    markers = {"step": ("|", 12), "saved": ("v", 6), "started": (">", 6), "killed": ("X", 11)}
+    markers = {"step": ("|", 12), "saved": ("v", 6), "started": (">", 6), "killed": ("X", 11),
+               "stopping": ("s", 6)}  # a stop signal (lesson 14's job, under Slurm: lesson 15)
     for name, ax in axes.items():
         shown = [event for event in job.events if name == "all" or event["attempt"] == name]
         for event in shown:

@@ -1,0 +1,23 @@
+"""Lesson 15, on a real cluster: notebooks/15_on_a_cluster.ipynb.
+
+Lesson 14's capstone submitted to a real Slurm of two nodes that this machine runs itself,
+followed, requeued mid-run and resumed exactly, broken in the four ways a first cluster breaks,
+and swept with a job array; the batch scripts are capstone.sbatch (srun and torchrun's c10d
+rendezvous) and sweep.sbatch (a job array). cluster: munge, slurmctld and two slurmd started and
+stopped by process id (`make cluster`). slurm: sbatch, squeue, scontrol and sacct from the
+kernel. training: the training submitted, and the same under plain torchrun. failures: the four
+mistakes and what they print. __main__: a requeued job recorded for the key figure
+(requeued.json). plots: drawn in the kernel. exercises: the checked exercises;
+solutions: their reference solutions.
+"""
+
+NOTEBOOK = "15_on_a_cluster.ipynb"
+
+# The names this lesson takes from earlier lessons (tests/test_structure.py checks the imports):
+BUILDS_ON = {
+    "capstone.train:Config": "lesson 14's recipe",
+    "capstone.job:arguments_for": "lesson 14's torchrun script, whose flags a job passes",
+    "capstone.job:torchrun_job": "lesson 14's torchrun script on one machine: the reference",
+    "capstone.corpus:bits_per_byte": "lesson 14's unit of loss",
+    "checkpoints_and_failures.elastic:torchrun_environment": "lesson 12's torchrun settings",
+}

@@ -1,0 +1,333 @@
+"""A real Slurm cluster of two nodes on this machine: munge, one controller, two node daemons.
+
+    cluster = Cluster.start()      # a few seconds; raises ClusterUnavailable where it cannot
+    cluster.run("sinfo")           # any Slurm command, talking to this cluster only
+    cluster.stop()                 # every process it started, by its process id
+
+Everything lives in one directory (`cluster.directory`, under runs/ by default): slurm.conf, the
+munge key and socket, the daemons' logs, the controller's state and the finished jobs' record
+(jobcomp/filetxt: `sacct -c` reads it; full accounting needs slurmdbd and a database). The two
+nodes n1 and n2 share this machine's loopback address, each slurmd on a port of its own
+(`slurmd -N n1`); Slurm tracks a job's processes through /proc (proctrack/linuxproc) and binds no
+CPUs (task/none). Ports come from the kernel, so two kernels or two test workers each start a
+cluster of their own. The daemons run in the foreground as this process's children, and Linux ends
+them if this process dies (PR_SET_PDEATHSIG); `stop` cancels every job first, then ends the
+daemons by the ids it started, then checks /proc that no process of this cluster's is left.
+
+`python -m helpers.on_a_cluster.cluster up` starts one and waits (Ctrl-C stops it): `make cluster`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from helpers.timing import timestamp
+
+NODES = ("n1", "n2")
+CPUS_PER_NODE = 4  # what each node offers Slurm (both share this machine's cores)
+DAEMONS = ("munged", "slurmctld", "slurmd")
+PACKAGES = ("slurm-wlm", "munge")
+# Seconds between the SIGTERM a cancelled or requeued job's processes get and the SIGKILL.
+KILL_WAIT = 10
+# Seconds a requeued job waits before it may start again: a job step's credential lifetime
+# (AuthInfo's cred_expire, slurm.conf(5): "This also controls how long a requeued job must wait
+# before starting again. The default value is 120 seconds."). Short here, so that a lesson waits
+# seconds, not minutes.
+CRED_EXPIRE = 5
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot run the lesson's cluster (not Linux, not root, no Slurm): the reason."""
+
+
+@dataclass
+class Cluster:
+    directory: str
+    ports: dict
+    processes: dict = field(default_factory=dict)
+    owns_directory: bool = True
+
+    # ---- starting --------------------------------------------------------------------------
+    @classmethod
+    def start(cls, directory: str | None = None, install: bool = False,
+              timeout: float = 30) -> Cluster:
+        """Start munge, slurmctld and a slurmd for each of NODES; return when both nodes are
+        idle. `install`: apt-get the packages first where they are missing (as root)."""
+        problem = unavailable(install)
+        if problem:
+            raise ClusterUnavailable(problem)
+        owns = directory is None
+        if owns:
+            os.makedirs(RUNS, exist_ok=True)
+            directory = tempfile.mkdtemp(prefix="cluster-", dir=RUNS)
+        ports = {"slurmctld": free_port(), **{node: free_port() for node in NODES}}
+        cluster = cls(os.path.abspath(directory), ports, owns_directory=owns)
+        atexit.register(cluster.stop)
+        try:
+            cluster._write_files()
+            cluster._spawn("munged", ["munged", "--foreground", "--force",
+                                      "--socket", cluster.path("munge.socket"),
+                                      "--key-file", cluster.path("munge.key"),
+                                      "--pid-file", cluster.path("munged.pid"),
+                                      "--seed-file", cluster.path("munged.seed"),
+                                      "--log-file", cluster.path("munged.log")])
+            cluster._wait_for(lambda: os.path.exists(cluster.path("munge.socket")), 10,
+                              "munged made no socket")
+            cluster._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", cluster.conf])
+            for node in NODES:
+                cluster._spawn(node, ["slurmd", "-D", "-N", node, "-f", cluster.conf])
+            cluster._wait_for(cluster._nodes_idle, timeout, "the nodes did not become idle")
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    @property
+    def conf(self) -> str:
+        return self.path("slurm.conf")
+
+    @property
+    def name(self) -> str:
+        return f"course{self.ports['slurmctld']}"
+
+    def path(self, *names: str) -> str:
+        return os.path.join(self.directory, *names)
+
+    def environment(self, **extra) -> dict:
+        """This process's environment, with Slurm's commands pointed at this cluster."""
+        return {**os.environ, "SLURM_CONF": self.conf, **extra}
+
+    def run(self, command: str | list, check: bool = True, timeout: float = 30,
+            env: dict | None = None) -> str:
+        """A Slurm command (`sinfo`, `squeue`, `sbatch ...`) against this cluster; its output.
+        `env`: the whole environment it runs in (else this process's, pointed at the cluster)."""
+        args = command.split() if isinstance(command, str) else list(command)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                              env=env or self.environment(), cwd=self.directory)
+        if check and done.returncode != 0:
+            raise subprocess.CalledProcessError(done.returncode, args, done.stdout, done.stderr)
+        return done.stdout + done.stderr
+
+    def _write_files(self) -> None:
+        for folder in ("state", "spool"):
+            os.makedirs(self.path(folder), exist_ok=True)
+        with open(self.path("munge.key"), "wb") as key:
+            key.write(os.urandom(1024))
+        os.chmod(self.path("munge.key"), 0o400)
+        os.chmod(self.directory, 0o755)  # munged refuses a key or socket in a group-writable folder
+        with open(self.conf, "w") as conf:
+            conf.write(slurm_conf(self))
+
+    def _spawn(self, name: str, args: list) -> None:
+        with open(self.path(f"{name}.out"), "w") as out:
+            self.processes[name] = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), cwd=self.directory, preexec_fn=_die_with_parent)
+
+    def _wait_for(self, ready, timeout: float, failure: str) -> None:
+        deadline = timestamp() + timeout
+        while not ready():
+            for name, process in self.processes.items():
+                if process.poll() is not None:
+                    raise ClusterUnavailable(f"{name} exited with {process.returncode}:\n"
+                                             + self.log_tail(name))
+            if timestamp() > deadline:
+                raise ClusterUnavailable(f"{failure} within {timeout:g} s:\n"
+                                         + self.log_tail("slurmctld"))
+            time.sleep(0.2)
+
+    def _nodes_idle(self) -> bool:
+        try:
+            states = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=5).split()
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            return False
+        return states[1::2] == ["idle"] * len(NODES)
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        """The last lines a daemon wrote (its log file, else what it printed)."""
+        for candidate in (f"{name}.log", f"slurmd.{name}.log", f"{name}.out"):
+            if os.path.exists(self.path(candidate)):
+                with open(self.path(candidate), errors="replace") as log:
+                    return "".join(log.readlines()[-lines:])
+        return "(nothing written)"
+
+    # ---- stopping --------------------------------------------------------------------------
+    def stop(self) -> list:
+        """Cancel every job, end every daemon this cluster started (by process id), and remove
+        its directory if it made it. Returns the ids of any job process that had to be killed."""
+        if not self.processes:
+            return []
+        if self.processes.get("slurmctld") and self.processes["slurmctld"].poll() is None:
+            try:
+                self.run(["scancel", "--full", "--quiet", "--user", str(os.getuid())],
+                         check=False, timeout=10)
+                self._wait_for_no_jobs(KILL_WAIT + 5)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in reversed(list(self.processes)):  # nodes, controller, then munge
+            process = self.processes[name]
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+        left = self.leftover_processes()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.owns_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        atexit.unregister(self.stop)
+        return left
+
+    def _wait_for_no_jobs(self, timeout: float) -> None:
+        deadline = timestamp() + timeout
+        while timestamp() < deadline:
+            if not self.run(["squeue", "-h"], check=False, timeout=5).strip():
+                return
+            time.sleep(0.3)
+
+    def leftover_processes(self) -> list:
+        """Process ids whose environment names this cluster's slurm.conf: a job's processes that
+        outlived their node daemon (slurmstepd hands them to init). Linux only."""
+        mine, marker = os.getpid(), f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == mine:
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as environ:
+                    if marker in environ.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+        return found
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    "runs")
+
+
+def slurm_conf(cluster: Cluster) -> str:
+    """The cluster's slurm.conf: every line a first cluster needs, and nothing else."""
+    nodes = "\n".join(f"NodeName={node} NodeAddr=127.0.0.1 Port={cluster.ports[node]} "
+                      f"CPUs={CPUS_PER_NODE} State=UNKNOWN" for node in NODES)
+    return f"""\
+ClusterName={cluster.name}
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={cluster.ports['slurmctld']}
+SlurmUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={cluster.path('munge.socket')},cred_expire={CRED_EXPIRE}
+StateSaveLocation={cluster.path('state')}
+SlurmdSpoolDir={cluster.path('spool', '%n')}
+SlurmctldPidFile={cluster.path('slurmctld.pid')}
+SlurmdPidFile={cluster.path('slurmd.%n.pid')}
+SlurmctldLogFile={cluster.path('slurmctld.log')}
+SlurmdLogFile={cluster.path('slurmd.%n.log')}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={cluster.path('jobs.txt')}
+KillWait={KILL_WAIT}
+MinJobAge=600
+SchedulerParameters=sched_interval=1
+{nodes}
+PartitionName=course Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def unavailable(install: bool = False) -> str | None:
+    """Why this machine cannot start the cluster, or None where it can."""
+    if not sys.platform.startswith("linux"):
+        return f"Slurm's daemons run on Linux; this is {sys.platform}"
+    if os.geteuid() != 0:
+        return ("the lesson's cluster runs its daemons as root (one user on one machine); "
+                "this kernel is not root")
+    missing = _missing()
+    if missing and install and shutil.which("apt-get"):
+        apt = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, env=apt)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *PACKAGES], capture_output=True,
+                       env=apt)
+        missing = _missing()
+    if missing:
+        return (f"{', '.join(missing)} not installed: `apt-get install {' '.join(PACKAGES)}` "
+                "as root (Debian, Ubuntu), or `make cluster`")
+    return None
+
+
+def _missing() -> list:
+    return [name for name in DAEMONS if shutil.which(name, path=_sbin_path()) is None]
+
+
+def _sbin_path() -> str:
+    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the kernel picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child, before exec
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def main(argv=None) -> None:
+    """`up`: start a cluster and wait for Ctrl-C (make cluster); `install`: install Slurm and
+    munge where they are missing, and say whether a cluster can start here (make
+    cluster-tests)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["install"]:
+        had = not _missing()
+        problem = unavailable(install=True)
+        if problem:
+            sys.exit(f"error: no cluster here: {problem}")
+        print(f"Slurm and munge {'were' if had else 'are now'} installed")
+        return
+    if args[:1] != ["up"]:
+        sys.exit("usage: python -m helpers.on_a_cluster.cluster up|install")
+    with Cluster.start(install=True) as cluster:
+        print(f"cluster {cluster.name} up: nodes {', '.join(NODES)}, in {cluster.directory}\n"
+              f"  export SLURM_CONF={cluster.conf}   # then sinfo, sbatch, squeue, sacct -c\n"
+              "Ctrl-C stops it.", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            print("\nstopping", flush=True)
+
+
+if __name__ == "__main__":
+    main()

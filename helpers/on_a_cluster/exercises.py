@@ -1,0 +1,164 @@
+"""Lesson 15's exercise, checked by `helpers.exercises.check(name, your_function)`: a batch
+script, submitted for real to a cluster the checker starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+
+from helpers.capstone.job import arguments_for
+from helpers.exercises import Exercise
+from helpers.on_a_cluster import slurm
+from helpers.on_a_cluster.cluster import RUNS, Cluster
+from helpers.on_a_cluster.training import LESSON_CONFIG, reference_losses
+
+EXERCISES = {}
+
+REQUEUE_AFTER = 3  # the checker requeues the job once rank 0 has finished this step
+CASES = [(2, 1, False), (2, 2, True)]  # (nodes, ranks_per_node, requeued once): quick first
+_SAID = {}  # what the last submitted job printed, for the hint
+
+
+def config_for(nodes: int, ranks_per_node: int):
+    """The capstone's recipe (lesson 15's small one) on a mesh of dp nodes x tp ranks_per_node."""
+    return dataclasses.replace(LESSON_CONFIG, dp=nodes, tp=ranks_per_node, steps=6, save_every=4)
+
+
+def _submitted(function, nodes: int, ranks_per_node: int, requeued: bool) -> dict:
+    """Submit the learner's script to a cluster of its own; requeue it once if asked; what it
+    did, as the task states it."""
+    script = function(nodes, ranks_per_node)
+    config = config_for(nodes, ranks_per_node)
+    with Cluster.start() as cluster:
+        directory = cluster.path("job")
+        job = slurm.submit(cluster, script, directory, *arguments_for(config))
+        outcome = {}
+        if requeued:
+            slurm.follow(cluster, job, until=lambda: slurm.last_step(directory) >= REQUEUE_AFTER,
+                         timeout=90)
+            if slurm.last_step(directory) >= REQUEUE_AFTER:
+                try:
+                    slurm.requeue(cluster, job)
+                except subprocess.CalledProcessError as error:
+                    outcome["the job"] = ("refused a requeue: "
+                                          + (error.stderr or error.stdout).strip())
+        if "the job" not in outcome:
+            slurm.follow(cluster, job, timeout=120)
+            states = [row["State"] for row in slurm.finished(cluster) if row["JobID"] == job]
+            outcome["the job"] = states[-1] if states else "?"
+        _SAID["lines"] = _tail(directory)
+        started = slurm.ranks(directory)
+        first = [event for event in started if event["restart"] == 0]
+        outcome["ranks"] = len(first)
+        outcome["started by"] = sorted({"torchrun" if event["torchrun"] else
+                                        "srun" if event["task"] is not None else "?"
+                                        for event in started})
+        order = sorted({event["node"] for event in first})
+        outcome["each rank's node"] = {event["rank"]: order.index(event["node"])
+                                       for event in first}
+        if requeued:
+            outcome["went on from the step it stopped at"] = _resumed_where_stopped(directory)
+        steps = [event for event in slurm.events(directory)
+                 if event["event"] == "step" and event["rank"] == 0]
+        outcome["losses"] = {event["step"]: event["loss"] for event in steps}
+    return outcome
+
+
+def _resumed_where_stopped(directory: str) -> bool:
+    events = [event for event in slurm.events(directory) if event["rank"] == 0]
+    stopped = [event["step"] for event in events if event["event"] == "stopping"]
+    again = [event["step"] for event in events
+             if event["event"] == "started" and event["restart"] > 0]
+    return bool(stopped) and again[:1] == stopped[:1]
+
+
+def _tail(directory: str) -> list:
+    lines = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if name.endswith(".out"):
+            with open(os.path.join(directory, name), errors="replace") as file:
+                kept = [line.rstrip() for line in file if not line.startswith(("I1", "W1"))]
+            lines += [f"{name}:", *kept[-6:]]
+    return lines
+
+
+@functools.cache
+def _reference_losses(nodes: int, ranks_per_node: int) -> dict:
+    return reference_losses(config_for(nodes, ranks_per_node))
+
+
+def _expected(nodes: int, ranks_per_node: int, requeued: bool) -> dict:
+    expected = {"the job": "COMPLETED", "ranks": nodes * ranks_per_node,
+                "started by": ["srun"],
+                "each rank's node": {rank: rank // ranks_per_node
+                                     for rank in range(nodes * ranks_per_node)}}
+    if requeued:
+        expected["went on from the step it stopped at"] = True
+    expected["losses"] = _reference_losses(nodes, ranks_per_node)
+    return expected
+
+
+def _hint(got, expected, nodes, ranks_per_node, requeued) -> str | None:
+    if isinstance(got, dict) and got.get("the job") != "COMPLETED" and _SAID.get("lines"):
+        return "what the job printed last:\n  " + "\n  ".join(_SAID["lines"])
+    return None
+
+
+EXERCISES["batch_script"] = Exercise(
+    "batch_script(nodes, ranks_per_node) returns the text of a batch script that trains lesson "
+    "14's capstone (python -m helpers.capstone.job, given the job's directory and its flags as "
+    "the script's arguments) on `nodes` nodes with `ranks_per_node` ranks each, a mesh of dp "
+    "nodes x tp ranks_per_node. Every rank is a Slurm task of its own (srun starts the ranks, "
+    "not torchrun), rank r runs on the job's node r // ranks_per_node (each tensor-parallel "
+    "group on one node), the rendezvous is at the first node on port $RDZV_PORT, and the job "
+    "can be requeued at any step: it then goes on from the step it stopped at, and ends with "
+    "the losses of the same training under plain torchrun",
+    CASES, _expected, distributed=False,
+    harness=_submitted,
+    names=(),
+    hint="under srun, each task finds its number in SLURM_PROCID, the task count in "
+         "SLURM_NTASKS, its number on the node in SLURM_LOCALID",
+    hint_for=_hint,
+    rel_tol=1e-12,  # the same operations in the same order as the torchrun run: equal
+)
+
+
+# --- node lists ---------------------------------------------------------------------------------
+
+NODELISTS = [("n[1-2]",), ("node7",), ("gpu[01-03,07],login1",), ("n[8-10]",),
+             ("rack[1-2]-node[1-2]",)]
+
+
+def _slurms_hostnames(nodelist: str) -> list:
+    """Slurm's own expansion (scontrol show hostnames), with a configuration of two lines: it
+    needs no running cluster."""
+    directory = tempfile.mkdtemp(prefix="hostnames-", dir=_runs())
+    try:
+        conf = os.path.join(directory, "slurm.conf")
+        with open(conf, "w") as file:
+            file.write("ClusterName=hostnames\nSlurmctldHost=localhost\n")
+        done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                              text=True, env={**os.environ, "SLURM_CONF": conf}, check=True)
+        return done.stdout.split()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _runs() -> str:
+    os.makedirs(RUNS, exist_ok=True)
+    return RUNS
+
+
+EXERCISES["hostnames"] = Exercise(
+    "hostnames(nodelist) returns the list of host names in a Slurm node list such as "
+    "SLURM_JOB_NODELIST, in the order `scontrol show hostnames` gives them: names separated by "
+    "commas, a bracket of numbers and ranges (zero padding kept) giving one name each, two "
+    "brackets in one name giving every combination; so that a script can find its first node "
+    "where scontrol is not installed (a container)",
+    NODELISTS, _slurms_hostnames, distributed=False,
+    hint="\"gpu[01-03,07]\" is gpu01, gpu02, gpu03, gpu07: the width of \"01\" is kept",
+)

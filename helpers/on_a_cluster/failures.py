@@ -1,0 +1,202 @@
+"""What goes wrong on a first cluster, made to happen: each mistake a one-line change of the
+lesson's batch script (capstone.sbatch), submitted to the cluster, and what a learner then sees.
+
+- `MISTAKES`: name -> Mistake (what was done, how the script changes, the fix).
+- `submit_mistakes(cluster, directory, arguments)`: every mistake at once, one job each, with one
+  CPU a rank-group so that all run side by side; returns {name: job id}.
+- `diagnose(cluster, directory, jobs, patience)`: waits for them; a job still without a single
+  rank started after `patience` seconds is cancelled (it would wait for ever). Returns {name:
+  Outcome}: how it ended, after how long, and the lines that say why.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+from helpers.on_a_cluster import slurm
+from helpers.on_a_cluster.cluster import Cluster, free_port
+from helpers.timing import timestamp
+
+JOIN_TIMEOUT = 6  # seconds the nodes of a broken job wait for each other (the script's: 20)
+LAUNCH = 'srun --output=%x-%j.node%n.out --kill-on-bad-exit=1 \\\n    torchrun'
+ENDPOINT = '--rdzv-endpoint "$head_address:$port"'
+
+
+@dataclass(frozen=True)
+class Mistake:
+    what: str  # what the script did wrong
+    old: str  # the text of capstone.sbatch it changes ...
+    new: str  # ... into this
+    fix: str
+    sbatch: tuple = ()  # sbatch's options on the command line: (("nodes", 1),)
+
+
+MISTAKES = {
+    "own endpoint": Mistake(
+        "each node names itself as the rendezvous endpoint ($(hostname) inside srun's command)",
+        f'{LAUNCH} \\\n        --nnodes', "",  # replaced by `own_endpoint` below
+        "compute the endpoint once, in the batch script (it runs on the first node), and hand "
+        "the same one to every node"),
+    "port taken": Mistake(
+        "the rendezvous port is already taken on the first node, by a program that is no "
+        "rendezvous (here an HTTP server)",
+        "port=${RDZV_PORT:-29500}", "port=${TAKEN_PORT}",
+        "pick a port that is free on the first node: the batch script runs there, so it can "
+        "ask the kernel for one (python -c 'import socket; s = socket.socket(); "
+        "s.bind((\"\", 0)); print(s.getsockname()[1])')"),
+    "ranks and mesh": Mistake(
+        "one rank a node: 2 ranks for a mesh of dp 2 x tp 2",
+        "--nproc-per-node 2", "--nproc-per-node 1",
+        "nodes x --nproc-per-node must equal dp x tp"),
+    "node never joins": Mistake(
+        "--nnodes 2 written into the script, the job submitted on one node (sbatch --nodes=1)",
+        '--nnodes "$SLURM_JOB_NUM_NODES"', "--nnodes 2",
+        "take the node count from Slurm ($SLURM_JOB_NUM_NODES), never write it twice",
+        sbatch=(("nodes", 1),)),
+}
+
+
+def script_with(name: str, script: str | None = None) -> str:
+    """capstone.sbatch with mistake `name` made (and a short join_timeout: 6 s, not 20)."""
+    if script is None:
+        with open(slurm.SCRIPT) as file:
+            script = file.read()
+    mistake = MISTAKES[name]
+    if name == "own endpoint":
+        changed = own_endpoint(script)
+    else:
+        if mistake.old not in script:
+            raise ValueError(f"capstone.sbatch no longer holds {mistake.old!r}")
+        changed = script.replace(mistake.old, mistake.new)
+    return changed.replace("join_timeout=20", f"join_timeout={JOIN_TIMEOUT}")
+
+
+def own_endpoint(script: str) -> str:
+    """Every node its own endpoint: torchrun's command evaluated on each node (srun bash -c),
+    with the node's own address. Both nodes share this machine, where every address reaches every
+    node's ports: the node's number goes into the port instead, so that each node's rendezvous
+    is its own, as it is on a real cluster with each node's own $(hostname)."""
+    start = script.index(LAUNCH)
+    command = script[start + len("srun --output=%x-%j.node%n.out --kill-on-bad-exit=1 \\\n    "):]
+    own = '--rdzv-endpoint "$head_address:$((port + SLURM_NODEID))"'
+    command = command.rstrip("\n").replace(ENDPOINT, own)
+    return (script[:start].replace("port=${RDZV_PORT:-29500}",
+                                   "export head_address port=${RDZV_PORT:-29500}")
+            + "srun --output=%x-%j.node%n.out --kill-on-bad-exit=1 bash -c 'exec \\\n    "
+            + command.replace('"$@"', '"$@"\' bash "$@"') + "\n")
+
+
+class TakenPort:
+    """A program that holds a port on this machine and is no rendezvous: an HTTP server on
+    127.0.0.1 that answers every request with an error, until `close()`."""
+
+    def __init__(self):
+        self.server = http.server.HTTPServer(("127.0.0.1", free_port()), _Refuse)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Refuse(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+def submit_mistakes(cluster: Cluster, directory: str, arguments: list,
+                    taken: TakenPort) -> dict:
+    """Every mistake as a job of its own (each rank group on one CPU, so that all four run at
+    once); returns {name: job id}."""
+    jobs = {}
+    for name, mistake in MISTAKES.items():
+        folder = os.path.join(directory, name.replace(" ", "-"))
+        jobs[name] = slurm.submit(cluster, script_with(name), folder, *arguments,
+                                  cpus_per_task=1, **dict(mistake.sbatch),
+                                  environment={"TAKEN_PORT": taken.port})
+    return jobs
+
+
+@dataclass
+class Outcome:
+    state: str  # Slurm's: FAILED, or CANCELLED by `diagnose`
+    seconds: float  # from submission to its end
+    said: list  # the lines that say what went wrong
+
+
+def diagnose(cluster: Cluster, directory: str, jobs: dict, patience: float = 20) -> dict:
+    """Wait for every job in `jobs` ({name: id}); cancel one that has not started a single rank
+    within `patience` seconds. Returns {name: Outcome}."""
+    started, ended = timestamp(), {}
+    while len(ended) < len(jobs):
+        queued = cluster.run(["squeue", "-h", "-o", "%i"], check=False).split()
+        for name, job in jobs.items():
+            if name in ended:
+                continue
+            if job not in queued:
+                ended[name] = timestamp() - started
+            elif timestamp() - started > patience and not _ranks_started(directory, name):
+                cluster.run(["scancel", job])
+        time.sleep(0.5)
+    states = {row["JobID"]: row["State"] for row in slurm.finished(cluster)}
+    return {name: Outcome(states.get(job, "?"), ended[name],
+                          what_it_said(os.path.join(directory, name.replace(" ", "-")), job))
+            for name, job in jobs.items()}
+
+
+def _ranks_started(directory: str, name: str) -> bool:
+    return bool(slurm.ranks(os.path.join(directory, name.replace(" ", "-"))))
+
+
+ERROR = re.compile(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception)\b.*)$")
+
+
+def what_it_said(folder: str, job: str) -> list:
+    """The lines a learner reads first, each said once: the errors the ranks raised, else the
+    error torchrun raised on some node; "no rank started" where no node printed one (still
+    waiting when it was cancelled)."""
+    raised, agents = [], []
+    for text in slurm.node_logs(folder, job).values():
+        for line in text.splitlines():
+            match = ERROR.match(line.strip())
+            if match:
+                (raised if line.startswith("[rank") else agents).append(_short(match.group(1)))
+    said = sorted(set(raised)) or sorted(set(agents))
+    return said or ["no rank started, and no node printed an error"]
+
+
+def _short(line: str) -> str:
+    """torch's long module paths cut to the class name."""
+    return re.sub(r"\b(?:torch\.[\w.]+\.)(\w+(?:Error|Exception))", r"\1", line)
+
+
+def who_listens(port: int) -> list:
+    """The programs that listen on `port` on this machine, as `ss -ltnp` names them: the check
+    that finds a taken port."""
+    done = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True)
+    return sorted(set(re.findall(r'\(\("([^"]+)"', done.stdout)))
+
+
+def show(outcomes: dict) -> None:
+    """Each mistake: what was done, the line that changed, how the job ended, what it said, and
+    the fix."""
+    for name, outcome in outcomes.items():
+        mistake = MISTAKES[name]
+        ended = ("cancelled: no rank had started, it would have waited for ever"
+                 if outcome.state == "CANCELLED" else f"{outcome.state}, by itself")
+        print(f"{name}: {mistake.what}")
+        if mistake.new:
+            print(f"    the script said   {mistake.new}   instead of   {mistake.old}")
+        for option, value in mistake.sbatch:
+            print(f"    submitted with    sbatch --{option}={value}")
+        print(f"    the job:          {ended}")
+        for line in outcome.said:
+            print(f"    it said:          {line}")
+        print(f"    the fix:          {mistake.fix}\n")

@@ -1,0 +1,113 @@
+"""Lesson 15's cluster (helpers.on_a_cluster): a real Slurm of two nodes on this machine, the
+capstone submitted to it, requeued mid-run and equal to plain torchrun bit for bit. Marked
+`cluster` (make cluster-tests): each test starts a cluster of its own, as root, with Debian's
+slurm-wlm and munge; elsewhere they are skipped, except under REQUIRE_CLUSTER=1 (CI), where a
+cluster that cannot start fails them."""
+
+import os
+import sys
+
+import pytest
+
+from helpers.capstone.job import arguments_for, records
+from helpers.on_a_cluster import cluster as cluster_module
+from helpers.on_a_cluster import slurm, training
+from helpers.on_a_cluster.cluster import Cluster, ClusterUnavailable, unavailable
+
+needs_cluster = pytest.mark.skipif(
+    unavailable() is not None and not os.environ.get("REQUIRE_CLUSTER"),
+    reason=f"no cluster here: {unavailable()}")
+
+
+def test_where_the_cluster_cannot_start_it_says_why(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert "Linux" in unavailable()
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "not root" in unavailable()
+    with pytest.raises(ClusterUnavailable, match="not root"):
+        Cluster.start()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cluster_module.shutil, "which", lambda name, path=None: None)
+    assert "apt-get install slurm-wlm munge" in unavailable()
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_two_clusters_start_side_by_side_and_stop_every_process_they_started():
+    first, second = Cluster.start(), Cluster.start()
+    try:
+        assert first.ports.keys() == second.ports.keys()
+        assert set(first.ports.values()).isdisjoint(second.ports.values())
+        assert first.directory != second.directory
+        for one in (first, second):
+            assert one.run(["sinfo", "-h", "-N", "-o", "%N %T %c"]).split() == [
+                "n1", "idle", str(cluster_module.CPUS_PER_NODE),
+                "n2", "idle", str(cluster_module.CPUS_PER_NODE)]
+        said = first.run(["srun", "--nodes=2", "--ntasks=2", "bash", "-c",
+                          "echo $SLURM_PROCID $SLURMD_NODENAME $SLURM_NODEID"])
+        assert sorted(said.splitlines()) == ["0 n1 0", "1 n2 1"]
+        pids = [process.pid for process in first.processes.values()]
+        assert len(pids) == 4  # munged, slurmctld, two slurmd
+    finally:
+        assert first.stop() == []
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    assert not os.path.exists(first.directory)
+    assert second.run(["sinfo", "-h", "-o", "%D %T"]).split() == ["2", "idle"]  # untouched
+    assert second.stop() == []
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_a_job_left_running_is_cancelled_and_its_processes_ended_by_stop():
+    cluster = Cluster.start()
+    try:
+        job = slurm.submit(cluster, "#!/bin/bash\nsrun sleep 600\n", cluster.path("sleeper"),
+                           nodes=1)
+        slurm.follow(cluster, job, until=lambda: bool(cluster.leftover_processes()),
+                     timeout=30)
+        sleepers = cluster.leftover_processes()
+        assert sleepers  # the job's shell, srun, sleep: this cluster's, by their environment
+    finally:
+        assert cluster.stop() == []  # cancelled and ended by Slurm, none left to kill
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in sleepers)
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_the_requeued_job_ends_equal_to_plain_torchrun_having_lost_no_step():
+    config = training.LESSON_CONFIG
+    with Cluster.start() as cluster:
+        directory = cluster.path("capstone")
+        job = slurm.submit(cluster, slurm.SCRIPT, directory, *arguments_for(config))
+        slurm.follow(cluster, job, until=lambda: slurm.last_step(directory) >= 5, timeout=90)
+        stopped_after = slurm.last_step(directory)
+        slurm.requeue(cluster, job)
+        moments = slurm.follow(cluster, job, timeout=120)
+        assert "PENDING (BeginTime)" in slurm.states(moments)
+        assert slurm.job_fields(cluster, job, ("JobState", "Restarts")) == {
+            "JobState": "COMPLETED", "Restarts": "1"}
+        events = slurm.events(directory)
+        steps, _ = records(directory)
+    stops = {(event["rank"], event["step"]) for event in events if event["event"] == "stopping"}
+    stop = {step for _, step in stops}
+    assert len(stop) == 1 and {rank for rank, _ in stops} == {0, 1, 2, 3}
+    assert stop.pop() >= stopped_after
+    restarted = [event for event in events if event["event"] == "started"
+                 and event["restart"] == 1]
+    assert {event["step"] for event in restarted} == {max(step for _, step in stops)}
+    # each node ran one torchrun with two ranks, in both runs
+    for run in (0, 1):
+        started = [event for event in events
+                   if event["event"] == "started" and event["restart"] == run]
+        by_node = {}
+        for event in started:
+            by_node.setdefault(event["node"], []).append(event["local_rank"])
+        assert sorted(by_node) == ["n1", "n2"]
+        assert all(sorted(ranks) == [0, 1] for ranks in by_node.values())
+        assert all(event["torchrun"] for event in started)
+    trained = [event["step"] for event in events
+               if event["event"] == "step" and event["rank"] == 0]
+    assert trained == list(range(1, config.steps + 1))  # no step lost, none trained twice
+    reference = training.reference_losses(config)
+    assert {step: record["loss"] for step, record in steps.items()} == reference
