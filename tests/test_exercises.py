@@ -17,10 +17,18 @@ from helpers.lessons import lessons
 # (30 s), its checker's rejections in the soak tier too (tests/test_capstone.py); lesson 12's
 # resumable (16 s) and lesson 11's scaled_step (11 s), whose rejections make test runs.
 SLOW = {"choose_plan", "capstone", "resumable", "scaled_step"}
+# Lesson 15's checkers need Slurm (scontrol; a cluster they start): the cluster tier runs their
+# reference solutions and rejections (tests/test_on_a_cluster_exercises.py).
+ON_A_CLUSTER = {"batch_script", "hostnames"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.soak) if name in SLOW
-                                  else name for name in exercises.exercises()])
+def _tier(name):
+    if name in ON_A_CLUSTER:
+        return pytest.param(name, marks=pytest.mark.cluster)
+    return pytest.param(name, marks=pytest.mark.soak) if name in SLOW else name
+
+
+@pytest.mark.parametrize("name", [_tier(name) for name in exercises.exercises()])
 def test_checker_passes_the_reference_solution(name):
     result = exercises.check(name, exercises.solution(name))
     assert result.passed, repr(result)

@@ -11,8 +11,9 @@ nodes n1 and n2 share this machine's loopback address, each slurmd on a port of 
 (`slurmd -N n1`); Slurm tracks a job's processes through /proc (proctrack/linuxproc) and binds no
 CPUs (task/none). Ports come from the kernel, so two kernels or two test workers each start a
 cluster of their own. The daemons run in the foreground as this process's children, and Linux ends
-them if this process dies (PR_SET_PDEATHSIG); `stop` cancels every job first, then ends the
-daemons by the ids it started, then checks /proc that no process of this cluster's is left.
+them when the thread that started them ends, with the process or without it
+(PR_SET_PDEATHSIG); `stop` cancels every job first, then ends the daemons by the ids it started,
+then checks /proc that no process of this cluster's is left.
 
 `python -m helpers.on_a_cluster.cluster up` starts one and waits (Ctrl-C stops it): `make cluster`.
 """
@@ -49,6 +50,14 @@ CRED_EXPIRE = 5
 
 class ClusterUnavailable(RuntimeError):
     """This machine cannot run the lesson's cluster (not Linux, not root, no Slurm): the reason."""
+
+
+class SlurmCommandFailed(subprocess.CalledProcessError):
+    """A Slurm command that failed, saying what it printed."""
+
+    def __str__(self) -> str:
+        said = (self.stderr or self.stdout or "").strip()
+        return f"{' '.join(map(str, self.cmd))} exited with {self.returncode}: {said}"
 
 
 @dataclass
@@ -116,7 +125,7 @@ class Cluster:
         done = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
                               env=env or self.environment(), cwd=self.directory)
         if check and done.returncode != 0:
-            raise subprocess.CalledProcessError(done.returncode, args, done.stdout, done.stderr)
+            raise SlurmCommandFailed(done.returncode, args, done.stdout, done.stderr)
         return done.stdout + done.stderr
 
     def _write_files(self) -> None:

@@ -4,9 +4,9 @@ lesson's batch script (capstone.sbatch), submitted to the cluster, and what a le
 - `MISTAKES`: name -> Mistake (what was done, how the script changes, the fix).
 - `submit_mistakes(cluster, directory, arguments)`: every mistake at once, one job each, with one
   CPU a rank-group so that all run side by side; returns {name: job id}.
-- `diagnose(cluster, directory, jobs, patience)`: waits for them; a job still without a single
-  rank started after `patience` seconds is cancelled (it would wait for ever). Returns {name:
-  Outcome}: how it ended, after how long, and the lines that say why.
+- `diagnose(cluster, directory, jobs)`: waits for them; a job that started no rank and whose logs
+  stay unchanged for 15 s is cancelled (it would wait for ever). Returns {name: Outcome}: how it
+  ended, after how long, and the lines that say why.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ class Mistake:
 MISTAKES = {
     "own endpoint": Mistake(
         "each node names itself as the rendezvous endpoint ($(hostname) inside srun's command)",
-        f'{LAUNCH} \\\n        --nnodes', "",  # replaced by `own_endpoint` below
+        ENDPOINT,  # `own_endpoint` makes the change: torchrun's command evaluated on each node
+        "srun ... bash -c '... --rdzv-endpoint \"$head_address:$((port + SLURM_NODEID))\" ...'",
         "compute the endpoint once, in the batch script (it runs on the first node), and hand "
         "the same one to every node"),
     "port taken": Mistake(
         "the rendezvous port is already taken on the first node, by a program that is no "
-        "rendezvous (here an HTTP server)",
-        "port=${RDZV_PORT:-29500}", "port=${TAKEN_PORT}",
+        "rendezvous and never answers the store's handshake (here an HTTP server)",
+        "port=${RDZV_PORT:-29400}", "port=${TAKEN_PORT}",
         "pick a port that is free on the first node: the batch script runs there, so it can "
         "ask the kernel for one (python -c 'import socket; s = socket.socket(); "
         "s.bind((\"\", 0)); print(s.getsockname()[1])')"),
@@ -63,7 +64,8 @@ MISTAKES = {
 
 
 def script_with(name: str, script: str | None = None) -> str:
-    """capstone.sbatch with mistake `name` made (and a short join_timeout: 6 s, not 20)."""
+    """capstone.sbatch with mistake `name` made (and a short join_timeout: JOIN_TIMEOUT s, not
+    the script's 20)."""
     if script is None:
         with open(slurm.SCRIPT) as file:
             script = file.read()
@@ -86,8 +88,8 @@ def own_endpoint(script: str) -> str:
     command = script[start + len("srun --output=%x-%j.node%n.out --kill-on-bad-exit=1 \\\n    "):]
     own = '--rdzv-endpoint "$head_address:$((port + SLURM_NODEID))"'
     command = command.rstrip("\n").replace(ENDPOINT, own)
-    return (script[:start].replace("port=${RDZV_PORT:-29500}",
-                                   "export head_address port=${RDZV_PORT:-29500}")
+    return (script[:start].replace("port=${RDZV_PORT:-29400}",
+                                   "export head_address port=${RDZV_PORT:-29400}")
             + "srun --output=%x-%j.node%n.out --kill-on-bad-exit=1 bash -c 'exec \\\n    "
             + command.replace('"$@"', '"$@"\' bash "$@"') + "\n")
 
@@ -117,7 +119,7 @@ def submit_mistakes(cluster: Cluster, directory: str, arguments: list,
     once); returns {name: job id}."""
     jobs = {}
     for name, mistake in MISTAKES.items():
-        folder = os.path.join(directory, name.replace(" ", "-"))
+        folder = _folder(directory, name)
         jobs[name] = slurm.submit(cluster, script_with(name), folder, *arguments,
                                   cpus_per_task=1, **dict(mistake.sbatch),
                                   environment={"TAKEN_PORT": taken.port})
@@ -131,28 +133,39 @@ class Outcome:
     said: list  # the lines that say what went wrong
 
 
-def diagnose(cluster: Cluster, directory: str, jobs: dict, patience: float = 20) -> dict:
-    """Wait for every job in `jobs` ({name: id}); cancel one that has not started a single rank
-    within `patience` seconds. Returns {name: Outcome}."""
+def diagnose(cluster: Cluster, directory: str, jobs: dict, quiet: float = 15,
+             timeout: float = 120) -> dict:
+    """Wait for every job in `jobs` ({name: id}). One that has started no rank and whose logs have
+    not changed for `quiet` seconds is stuck, and cancelled (a timing-out rendezvous logs its
+    progress at least every join_timeout, JOIN_TIMEOUT s; slow start-ups, as on a loaded
+    machine, keep writing too). Returns {name: Outcome}."""
     started, ended = timestamp(), {}
     while len(ended) < len(jobs):
         queued = cluster.run(["squeue", "-h", "-o", "%i"], check=False).split()
         for name, job in jobs.items():
+            folder = _folder(directory, name)
             if name in ended:
                 continue
             if job not in queued:
                 ended[name] = timestamp() - started
-            elif timestamp() - started > patience and not _ranks_started(directory, name):
+            elif (not slurm.ranks(folder) and timestamp() - _last_written(folder) > quiet) \
+                    or timestamp() - started > timeout:
                 cluster.run(["scancel", job])
         time.sleep(0.5)
     states = {row["JobID"]: row["State"] for row in slurm.finished(cluster)}
     return {name: Outcome(states.get(job, "?"), ended[name],
-                          what_it_said(os.path.join(directory, name.replace(" ", "-")), job))
+                          what_it_said(_folder(directory, name), job))
             for name, job in jobs.items()}
 
 
-def _ranks_started(directory: str, name: str) -> bool:
-    return bool(slurm.ranks(os.path.join(directory, name.replace(" ", "-"))))
+def _folder(directory: str, name: str) -> str:
+    return os.path.join(directory, name.replace(" ", "-"))
+
+
+def _last_written(folder: str) -> float:
+    """When any file of the job's folder last changed (its submission, before it wrote any)."""
+    paths = [os.path.join(folder, name) for name in os.listdir(folder)]
+    return max(map(os.path.getmtime, paths), default=timestamp())
 
 
 ERROR = re.compile(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception)\b.*)$")
@@ -192,8 +205,7 @@ def show(outcomes: dict) -> None:
         ended = ("cancelled: no rank had started, it would have waited for ever"
                  if outcome.state == "CANCELLED" else f"{outcome.state}, by itself")
         print(f"{name}: {mistake.what}")
-        if mistake.new:
-            print(f"    the script said   {mistake.new}   instead of   {mistake.old}")
+        print(f"    the script said   {mistake.new}   instead of   {mistake.old}")
         for option, value in mistake.sbatch:
             print(f"    submitted with    sbatch --{option}={value}")
         print(f"    the job:          {ended}")

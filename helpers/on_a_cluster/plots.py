@@ -25,7 +25,7 @@ def plot_requeued(moments: list, events: list, submitted: float, requeued: float
         colour = STATES.get(moment.state)
         if colour:
             life.axvspan(moment.time - submitted, end - submitted, color=colour, zorder=0)
-            if end - moment.time > 1.5:
+            if end - moment.time > 1.5 and moment.state != "COMPLETING":  # the legend names it
                 reason = f" ({moment.reason})" if moment.reason not in ("None", "") else ""
                 life.annotate(moment.state.lower() + reason, (moment.time - submitted, 1.0),
                               xytext=(3, -11), xycoords=("data", "axes fraction"),
@@ -53,7 +53,9 @@ def plot_requeued(moments: list, events: list, submitted: float, requeued: float
     handles = [Patch(color=colour, label=state.lower()) for state, colour in STATES.items()]
     handles += [plt.Line2D([], [], marker=marker, linestyle="", color=GREY, label=name)
                 for name, (marker, _) in markers.items()]
-    life.legend(handles=handles, fontsize=7, ncols=7, loc="upper center", frameon=False,
+    handles += [Patch(color=COLORS[0], label="first run"),
+                Patch(color=COLORS[1], label="after the requeue")]
+    life.legend(handles=handles, fontsize=7, ncols=9, loc="upper center", frameon=False,
                 bbox_to_anchor=(0.5, -0.28))
     ordered = sorted(reference)
     curve.plot(ordered, [bits_per_byte(reference[step]) for step in ordered], color=GREY,

@@ -32,7 +32,7 @@ def job_environment(cluster: Cluster, **extra) -> dict:
     """What a job submitted from here sees (sbatch hands on the submitter's environment):
     torchrun's settings for this machine (lesson 12), this Python's torchrun first on PATH, and
     RDZV_PORT, a free port for the rendezvous (two clusters share this machine; on a real one,
-    29500)."""
+    any port free on the first node, c10d's default 29400)."""
     environment = torchrun_environment()
     environment["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
                                            environment.get("PATH", "")])
