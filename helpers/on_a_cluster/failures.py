@@ -15,6 +15,7 @@ import http.server
 import os
 import re
 import subprocess
+import textwrap
 import threading
 import time
 from dataclasses import dataclass
@@ -197,18 +198,23 @@ def who_listens(port: int) -> list:
     return sorted(set(re.findall(r'\(\("([^"]+)"', done.stdout)))
 
 
-def show(outcomes: dict) -> None:
+def show(outcomes: dict, width: int = 100) -> None:
     """Each mistake: what was done, the line that changed, how the job ended, what it said, and
-    the fix."""
+    the fix; lines wrapped at `width` characters (a slide's)."""
+
+    def say(label: str, text: str) -> None:
+        print(textwrap.fill(text, width, initial_indent=f"    {label:<18}",
+                            subsequent_indent=" " * 22, break_on_hyphens=False))
+
     for name, outcome in outcomes.items():
         mistake = MISTAKES[name]
-        ended = ("cancelled: no rank had started, it would have waited for ever"
-                 if outcome.state == "CANCELLED" else f"{outcome.state}, by itself")
-        print(f"{name}: {mistake.what}")
-        print(f"    the script said   {mistake.new}   instead of   {mistake.old}")
+        print(textwrap.fill(f"{name}: {mistake.what}", width, subsequent_indent="    "))
+        say("the script said", f"{mistake.new}   instead of   {mistake.old}")
         for option, value in mistake.sbatch:
-            print(f"    submitted with    sbatch --{option}={value}")
-        print(f"    the job:          {ended}")
+            say("submitted with", f"sbatch --{option}={value}")
+        say("the job:", "cancelled: no rank had started, it would have waited for ever"
+            if outcome.state == "CANCELLED" else f"{outcome.state}, by itself")
         for line in outcome.said:
-            print(f"    it said:          {line}")
-        print(f"    the fix:          {mistake.fix}\n")
+            say("it said:", line)
+        say("the fix:", mistake.fix)
+        print()
