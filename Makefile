@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab present train cluster test soak other-cpu slides cluster-tests ci test-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present train cluster test long soak other-cpu slides cluster-tests ci test-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -44,8 +44,7 @@ cluster: setup
 # given: the longest files start at once, short ones fill in behind them.
 PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
-SLOWEST_FIRST := notebooks/14_capstone.ipynb \
-	notebooks/12_checkpoints_and_failures.ipynb notebooks/13_at_scale.ipynb \
+SLOWEST_FIRST := notebooks/12_checkpoints_and_failures.ipynb notebooks/13_at_scale.ipynb \
 	tests/test_exercises.py tests/test_launcher.py notebooks/09_pipeline_parallelism.ipynb \
 	notebooks/07_zero_and_fsdp.ipynb notebooks/04_measuring_communication.ipynb
 # Lesson 15 runs against a real Slurm cluster, in a tier of its own (cluster-tests).
@@ -59,16 +58,23 @@ ALL := $(SLOWEST_FIRST) $(filter-out $(SLOWEST_FIRST) $(ON_A_CLUSTER),$(NOTEBOOK
 ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_point.ipynb \
 	notebooks/04_measuring_communication.ipynb notebooks/12_checkpoints_and_failures.ipynb \
 	notebooks/13_at_scale.ipynb
-# Left out of the other-CPU tier too: a minute of training, whose rounding-dependent outputs are
-# verdicts with wide margins (half a bit per byte below the baseline; 0.1 between the 4 ranks' and
-# one process's validation losses); its float64 equalities run there as tests
-# (tests/test_capstone.py, marked numerical). Checked once by hand under the tier's setting.
+# The capstone's notebook, a minute of training (two under make test's load): a tier of its own
+# (long), so that make test keeps its 8 minutes. Left out of the other-CPU tier too: its
+# rounding-dependent outputs are verdicts with wide margins (half a bit per byte below the
+# baseline; 0.1 between the 4 ranks' and one process's validation losses); its float64 equalities
+# run there as tests (tests/test_capstone.py, marked numerical). Checked once by hand under the
+# tier's setting.
 LONG_RUNS := notebooks/14_capstone.ipynb
 
 # Does the course work? The linter, every test but the soaks and the browser's, every notebook
-# against its committed outputs (nbval).
+# against its committed outputs (nbval) but the capstone's and the cluster's (tiers of their own).
 test: setup lint
-	$(PYTEST) -m "not soak and not gpu and not slides and not cluster" $(NBVAL) $(ALL)
+	$(PYTEST) -m "not soak and not gpu and not slides and not cluster" $(NBVAL) \
+		$(filter-out $(LONG_RUNS),$(ALL))
+
+# The capstone's notebook (lesson 14) under nbval: a minute of training.
+long: setup
+	$(PY) -m pytest $(NBVAL) --durations=5 $(LONG_RUNS)
 
 # Rare faults, slow by design: repetition, races between processes, real torchrun jobs. Test by
 # test over both workers (no notebooks here): a file's slow tests, lesson 13's and 14's above
@@ -105,7 +111,7 @@ test-gpu: setup
 	$(PY) -m pytest -m gpu -v tests/test_gpu.py
 
 # Every tier on this Python (.ci/run adds another Python's).
-ci: test soak other-cpu slides cluster-tests
+ci: test long soak other-cpu slides cluster-tests
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
 # launcher's tests (its soaks included) and one notebook. `make test-python PYTHON=python3.13`

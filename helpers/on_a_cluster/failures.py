@@ -4,9 +4,9 @@ lesson's batch script (capstone.sbatch), submitted to the cluster, and what a le
 - `MISTAKES`: name -> Mistake (what was done, how the script changes, the fix).
 - `submit_mistakes(cluster, directory, arguments)`: every mistake at once, one job each, with one
   CPU a rank-group so that all run side by side; returns {name: job id}.
-- `diagnose(cluster, directory, jobs)`: waits for them; a job that started no rank and whose logs
-  stay unchanged for 15 s is cancelled (it would wait for ever). Returns {name: Outcome}: how it
-  ended, after how long, and the lines that say why.
+- `diagnose(cluster, directory, jobs)`: waits for them; a job whose torchruns started but no rank,
+  and whose logs then stay unchanged for 10 s, is cancelled (it would wait for ever). Returns
+  {name: Outcome}: how it ended, after how long, and the lines that say why.
 """
 
 from __future__ import annotations
@@ -134,12 +134,13 @@ class Outcome:
     said: list  # the lines that say what went wrong
 
 
-def diagnose(cluster: Cluster, directory: str, jobs: dict, quiet: float = 15,
+def diagnose(cluster: Cluster, directory: str, jobs: dict, quiet: float = 10,
              timeout: float = 120) -> dict:
-    """Wait for every job in `jobs` ({name: id}). One that has started no rank and whose logs have
-    not changed for `quiet` seconds is stuck, and cancelled (a timing-out rendezvous logs its
-    progress at least every join_timeout, JOIN_TIMEOUT s; slow start-ups, as on a loaded
-    machine, keep writing too). Returns {name: Outcome}."""
+    """Wait for every job in `jobs` ({name: id}). One that is stuck is cancelled: every node's
+    torchrun has started (it printed its configuration, after importing torch, which takes a
+    loaded machine long), no rank has, and its logs have not changed for `quiet` seconds (a
+    timing-out rendezvous logs its progress at least every join_timeout, JOIN_TIMEOUT s).
+    Returns {name: Outcome}."""
     started, ended = timestamp(), {}
     while len(ended) < len(jobs):
         queued = cluster.run(["squeue", "-h", "-o", "%i"], check=False).split()
@@ -149,7 +150,7 @@ def diagnose(cluster: Cluster, directory: str, jobs: dict, quiet: float = 15,
                 continue
             if job not in queued:
                 ended[name] = timestamp() - started
-            elif (not slurm.ranks(folder) and timestamp() - _last_written(folder) > quiet) \
+            elif (_stuck(folder, job) and timestamp() - _last_written(folder) > quiet) \
                     or timestamp() - started > timeout:
                 cluster.run(["scancel", job])
         time.sleep(0.5)
@@ -161,6 +162,13 @@ def diagnose(cluster: Cluster, directory: str, jobs: dict, quiet: float = 15,
 
 def _folder(directory: str, name: str) -> str:
     return os.path.join(directory, name.replace(" ", "-"))
+
+
+def _stuck(folder: str, job: str) -> bool:
+    """Every node's torchrun printed its configuration, and no rank has started."""
+    logs = slurm.node_logs(folder, job, everything=True)
+    return (bool(logs) and all("rdzv_configs" in text for text in logs.values())
+            and not slurm.ranks(folder))
 
 
 def _last_written(folder: str) -> float:

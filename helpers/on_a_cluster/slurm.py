@@ -104,14 +104,15 @@ def finished(cluster: Cluster) -> list:
     return [dict(zip(header, row)) for row in rows]
 
 
-def node_logs(directory: str, job: str) -> dict:
+def node_logs(directory: str, job: str, everything: bool = False) -> dict:
     """{node index: text} from the srun output files (%x-%j.node%n.out), without torchrun's
-    INFO lines."""
+    INFO lines unless `everything`."""
     logs = {}
     for path in sorted(glob.glob(os.path.join(directory, f"*-{job}.node*.out"))):
         index = int(re.search(r"\.node(\d+)\.out$", path).group(1))
         with open(path, errors="replace") as file:
-            logs[index] = "".join(line for line in file if not re.match(r"I\d{4} ", line))
+            logs[index] = "".join(line for line in file
+                                  if everything or not re.match(r"I\d{4} ", line))
     return logs
 
 
