@@ -5,7 +5,9 @@ slurm-wlm and munge; elsewhere they are skipped, except under REQUIRE_CLUSTER=1 
 cluster that cannot start fails them."""
 
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,3 +113,24 @@ def test_the_requeued_job_ends_equal_to_plain_torchrun_having_lost_no_step():
     assert trained == list(range(1, config.steps + 1))  # no step lost, none trained twice
     reference = training.reference_losses(config)
     assert {step: record["loss"] for step, record in steps.items()} == reference
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_a_kernel_killed_with_its_cluster_leaves_no_daemon_and_the_next_start_removes_its_folder():
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from helpers.on_a_cluster.cluster import Cluster\n"
+         "cluster = Cluster.start()\n"
+         "print(cluster.directory, *(p.pid for p in cluster.processes.values()), flush=True)\n"
+         "import time; time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    folder, *pids = child.stdout.readline().split()
+    child.kill()  # no atexit, no stop(): as a kernel killed by its notebook server
+    child.wait()
+    for _ in range(50):  # Linux sends each daemon SIGTERM as its parent dies (PR_SET_PDEATHSIG)
+        if not any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            break
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    assert os.path.exists(folder)
+    with Cluster.start():
+        assert not os.path.exists(folder)

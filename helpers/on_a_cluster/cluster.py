@@ -48,6 +48,9 @@ KILL_WAIT = 10
 CRED_EXPIRE = 5
 
 
+OWNER = "owner.pid"  # in a cluster's folder: the process that started it
+
+
 class ClusterUnavailable(RuntimeError):
     """This machine cannot run the lesson's cluster (not Linux, not root, no Slurm): the reason."""
 
@@ -79,6 +82,7 @@ class Cluster:
         owns = directory is None
         if owns:
             os.makedirs(RUNS, exist_ok=True)
+            remove_abandoned()
             directory = tempfile.mkdtemp(prefix="cluster-", dir=RUNS)
         ports = {"slurmctld": free_port(), **{node: free_port() for node in NODES}}
         cluster = cls(os.path.abspath(directory), ports, owns_directory=owns)
@@ -129,6 +133,8 @@ class Cluster:
         return done.stdout + done.stderr
 
     def _write_files(self) -> None:
+        with open(self.path(OWNER), "w") as owner:
+            owner.write(str(os.getpid()))
         for folder in ("state", "spool"):
             os.makedirs(self.path(folder), exist_ok=True)
         with open(self.path("munge.key"), "wb") as key:
@@ -236,6 +242,22 @@ class Cluster:
 
 RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "runs")
+
+
+def remove_abandoned() -> list:
+    """Remove the folders of clusters whose starting process is gone (a kernel killed before it
+    could stop its cluster: Linux ended the daemons, the folder stayed). Returns them."""
+    removed = []
+    for name in os.listdir(RUNS):
+        owner = os.path.join(RUNS, name, OWNER)
+        if not name.startswith("cluster-") or not os.path.exists(owner):
+            continue
+        with open(owner) as file:
+            pid = file.read().strip()
+        if not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):
+            shutil.rmtree(os.path.dirname(owner), ignore_errors=True)
+            removed.append(os.path.dirname(owner))
+    return removed
 
 
 def slurm_conf(cluster: Cluster) -> str:
