@@ -92,9 +92,11 @@ slides: setup
 # Lesson 15 against a real Slurm of two nodes that each test starts (as root; Debian's slurm-wlm
 # and munge, installed here where missing): its notebook under nbval, the requeued job equal to
 # plain torchrun, the exercises' checkers submitting for real. Three files over both workers.
+# Where no cluster can start, its tests are skipped (the notebook's first cell fails, saying why);
+# REQUIRE_CLUSTER=1 (CI) makes that an error.
 cluster-tests: setup
 	$(PY) -m helpers.on_a_cluster.cluster install
-	REQUIRE_CLUSTER=1 $(PYTEST) -m "cluster or notebook" $(NBVAL) $(ON_A_CLUSTER)
+	$(PYTEST) -m "cluster or notebook" $(NBVAL) $(ON_A_CLUSTER)
 
 # Another CPU's rounding: PyTorch's kernels without vector instructions sum in other orders. The
 # tests marked numerical (not those marked once, nor the checkers': messages) and the notebooks

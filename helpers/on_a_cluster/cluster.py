@@ -344,8 +344,11 @@ def main(argv=None) -> None:
     if args[:1] == ["install"]:
         had = not _missing()
         problem = unavailable(install=True)
-        if problem:
+        if problem and os.environ.get("REQUIRE_CLUSTER"):
             sys.exit(f"error: no cluster here: {problem}")
+        if problem:
+            print(f"no cluster here ({problem}): lesson 15's tests will be skipped")
+            return
         print(f"Slurm and munge {'were' if had else 'are now'} installed")
         return
     if args[:1] != ["up"]:
