@@ -181,7 +181,9 @@ class Cluster:
     def stop(self) -> list:
         """Cancel every job, end every daemon this cluster started (by process id), and remove
         its directory if it made it. Returns the ids of any job process that had to be killed."""
-        if not self.processes:
+        if not self.processes:  # never started, or stopped already
+            if self.owns_directory:
+                shutil.rmtree(self.directory, ignore_errors=True)
             return []
         if self.processes.get("slurmctld") and self.processes["slurmctld"].poll() is None:
             try:
