@@ -26,13 +26,13 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
+from helpers.present import free_port
 from helpers.timing import timestamp
 
 NODES = ("n1", "n2")
@@ -324,13 +324,6 @@ def _missing() -> list:
 
 def _sbin_path() -> str:
     return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (the kernel picks it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child, before exec

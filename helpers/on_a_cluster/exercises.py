@@ -15,7 +15,7 @@ from helpers.capstone.job import arguments_for
 from helpers.exercises import Exercise
 from helpers.on_a_cluster import slurm
 from helpers.on_a_cluster.cluster import RUNS, Cluster
-from helpers.on_a_cluster.failures import ERROR
+from helpers.on_a_cluster.failures import errors_in
 from helpers.on_a_cluster.training import LESSON_CONFIG, reference_losses
 
 EXERCISES = {}
@@ -84,21 +84,17 @@ def _resumed_where_stopped(directory: str) -> bool:
 
 
 def _tail(directory: str) -> list:
-    """What a learner reads first in the job's logs: every distinct error a rank raised (else
-    torchrun's), then the last lines of each log."""
+    """What a learner reads first in the job's logs, whatever the script named them: every
+    distinct error (failures.errors_in), then the last lines of each log."""
     names = sorted(name for name in os.listdir(directory) if name.endswith(".out")) \
         if os.path.isdir(directory) else []
-    raised, agents, tails = [], [], []
+    texts, tails = [], []
     for name in names:
         with open(os.path.join(directory, name), errors="replace") as file:
-            kept = [line.rstrip() for line in file if not line.startswith(("I1", "W1"))]
-        for line in kept:
-            match = ERROR.match(line.strip())
-            if match:
-                (raised if line.startswith("[rank") else agents).append(match.group(1))
+            texts.append(file.read())
+        kept = [line for line in texts[-1].splitlines() if not line.startswith(("I1", "W1"))]
         tails += [f"{name}:", *kept[-4:]]
-    errors = list(dict.fromkeys(raised or agents))
-    return [*(f"error: {error}" for error in errors), *tails]
+    return [*(f"error: {error}" for error in errors_in(texts)), *tails]
 
 
 @functools.cache

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 
 from helpers.on_a_cluster import slurm
-from helpers.on_a_cluster.cluster import Cluster, free_port
+from helpers.on_a_cluster.cluster import Cluster
+from helpers.present import free_port
 from helpers.timing import timestamp
 
 JOIN_TIMEOUT = 6  # seconds the nodes of a broken job wait for each other (the script's: 20)
@@ -184,14 +185,20 @@ def what_it_said(folder: str, job: str) -> list:
     """The lines a learner reads first, each said once: the errors the ranks raised, else the
     error torchrun raised on some node; "no rank started" where no node printed one (still
     waiting when it was cancelled)."""
+    return (errors_in([text for text in slurm.node_logs(folder, job).values()])
+            or ["no rank started, and no node printed an error"])
+
+
+def errors_in(logs: list) -> list:
+    """The distinct errors in these logs' texts, sorted: those a rank raised ("[rank<r>]: ..."),
+    else those torchrun's agents raised; torch's module paths cut to the class name."""
     raised, agents = [], []
-    for text in slurm.node_logs(folder, job).values():
+    for text in logs:
         for line in text.splitlines():
             match = ERROR.match(line.strip())
             if match:
                 (raised if line.startswith("[rank") else agents).append(_short(match.group(1)))
-    said = sorted(set(raised)) or sorted(set(agents))
-    return said or ["no rank started, and no node printed an error"]
+    return sorted(set(raised)) or sorted(set(agents))
 
 
 def _short(line: str) -> str:

@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 
 from helpers.checkpoints_and_failures.elastic import torchrun_environment
-from helpers.on_a_cluster.cluster import Cluster, free_port
+from helpers.on_a_cluster.cluster import Cluster
+from helpers.present import free_port
 from helpers.timing import timestamp
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capstone.sbatch")
@@ -119,11 +120,8 @@ def node_logs(directory: str, job: str, everything: bool = False) -> dict:
 def ranks(directory: str) -> list:
     """Every rank's "started" events (rank, restart, step, node, group_rank, local_rank, time),
     from lesson 14's events.rank<r>.jsonl."""
-    found = []
-    for path in sorted(glob.glob(os.path.join(directory, "events.rank*.jsonl"))):
-        with open(path) as lines:
-            found += [event for event in map(json.loads, lines) if event["event"] == "started"]
-    return sorted(found, key=lambda event: (event["restart"], event["rank"]))
+    started = [event for event in events(directory) if event["event"] == "started"]
+    return sorted(started, key=lambda event: (event["restart"], event["rank"]))
 
 
 def events(directory: str) -> list:
