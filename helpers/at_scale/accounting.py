@@ -13,14 +13,15 @@ at a small size, where the accounting can be checked against reality.
 - `lay_out(model, mesh, plan)`: the model laid out on the mesh of `make_mesh(plan)`, by the
   layouts module's functions.
 - `account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURES, fast=True)`:
-  a Llama (helpers.llama) laid out by `plan`, AdamW's state created by a step on zero gradients
-  (with tensor parallelism, one whole step first: see the code), then
-  one step under PyTorch's `FSDPMemTracker` (`MemTracker` with tensor parallelism) with the
+  a Llama (helpers.llama) laid out by `plan`, AdamW's state created by a step on zero gradients,
+  then one step under PyTorch's `FSDPMemTracker` (`MemTracker` with tensor parallelism) with the
   course's `instrument.Observer` and `TensorParallelBytes` inside it (this rank's peak bytes by
   kind; the collectives it calls and the bytes it sends) and, in a step of its own,
   `CommDebugMode` (PyTorch's count of the collectives). With `fake`, the process, launched alone
   with init_group=False, plays rank 0 of plan.gpus.
 - `loss_worker(rank, world_size, shape, plan)`: the peak of the loss alone, on fake ranks.
+- `shapes_apart()`: inside it, a fake step is accounted for as a real one where DTensor infers
+  its operations' shapes with fake tensors of its own (its docstring says how).
 """
 
 from __future__ import annotations
@@ -163,16 +164,14 @@ def join_fake_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def clip_to_norm(model, max_norm: float) -> torch.Tensor:
+def clip_to_norm(model, max_norm: float, foreach: bool = False) -> torch.Tensor:
     """torchtitan's clip_grad_norm_ (torchtitan/utils.py at 9dec370): the gradients' global norm
     from each rank's pieces, a DTensor made whole (an all-reduce of a few numbers per mesh
-    dimension), then every gradient scaled by max_norm / norm where that is below 1. One tensor
-    at a time (foreach=False, where torchtitan lets PyTorch choose): under FakeTensorMode, PyTorch's
-    foreach norm of a deep model's FSDP gradients holds a fake copy of them that real ranks never
-    allocate (a 32-block model: 4 times its gradient shards), so the fake peak would be wrong;
-    one tensor at a time, fake = real (tests/test_at_scale.py). Gradients on different meshes
-    (a model laid out in part) are normed mesh by mesh, then together. Returns the norm before
-    clipping."""
+    dimension), then every gradient scaled by max_norm / norm where that is below 1. torchtitan's
+    train.py passes foreach=True, as this lesson's step does; the capstone (lesson 14) keeps
+    PyTorch's one-tensor-at-a-time default, with which its committed runs were made (the same
+    norm, summed in another order). Gradients on different meshes (a model laid out in part) are
+    normed mesh by mesh, then together. Returns the norm before clipping."""
     from torch.distributed.tensor import DTensor
 
     by_mesh = {}  # a DTensor's norm needs its mesh: a model laid out in part (lesson 08's plan
@@ -183,10 +182,10 @@ def clip_to_norm(model, max_norm: float) -> torch.Tensor:
     norms = []
     for gradients in by_mesh.values():
         with quiet_redistribute():  # (its docstring says why)
-            norm = torch.nn.utils.get_total_norm(gradients, foreach=False)
+            norm = torch.nn.utils.get_total_norm(gradients, foreach=foreach)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=False)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=foreach)
     return norm
 
 
@@ -206,38 +205,64 @@ def quiet_redistribute():
         logger.setLevel(level)
 
 
-def train_step(model, optimizer, tokens, plan: Plan) -> None:
+@contextlib.contextmanager
+def shapes_apart():
+    """DTensor infers the global shape of some operations' outputs by running them on fake
+    tensors of the global size (torch 2.13, torch/distributed/tensor/_sharding_prop.py,
+    `_propagate_tensor_meta_non_cached`: `detect_fake_mode() or FakeTensorMode()`). On a real
+    rank that is a fake mode of its own, and MemTracker leaves its tensors out: it counts only
+    those of the fake mode it was entered in (mem_tracker.py, `_fake_mode_on_entry`). In a fake
+    step DTensor borrows the step's own mode, so the tracker counts them as the step's. Under
+    loss_parallel that is every call (a fake mode makes `_are_we_tracing()` true, so the
+    shapes are never cached): `nll_loss_backward` on the whole vocabulary's logits, two float32
+    tensors each 2t times this rank's logits, where the real rank keeps three of its own size:
+    (2t - 3) of them too many. Inside this context DTensor is given a fake mode of its own, as
+    on a real rank, and fake = real (tests/test_at_scale.py). It replaces a name in a private
+    module of PyTorch's: a later PyTorch may need another way."""
+    from torch.distributed.tensor import _sharding_prop
+
+    detect = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *inputs: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = detect
+
+
+def train_step(model, optimizer, tokens, plan: Plan, mark=None) -> None:
     """torchtitan's step (train.py at pytorch/torchtitan@9dec370): next-token cross-entropy on
     float32 logits, the logits freed before backward, gradients clipped to a global norm of 1,
-    AdamW; with tensor parallelism, the loss computed on logits cut by the vocabulary
-    (loss_parallel)."""
+    AdamW, both with foreach=True as torchtitan has them; with tensor parallelism, the loss
+    computed on logits cut by the vocabulary (loss_parallel). `mark(phase)`, if given, is told
+    where each phase begins: "forward", "loss", "backward", "clipping", "optimizer"."""
     from torch.distributed.tensor.parallel import loss_parallel
 
+    mark = mark or (lambda phase: None)
+    mark("forward")
     logits = model(tokens[:, :-1])
     with loss_parallel() if plan.tp > 1 else contextlib.nullcontext():
+        mark("loss")
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         del logits  # as torchtitan: the float32 copy the loss keeps is enough for backward
+        mark("backward")
         loss.backward()
-    clip_to_norm(model, 1.0)
+    mark("clipping")
+    clip_to_norm(model, 1.0, foreach=True)
+    mark("optimizer")
     optimizer.step()
     optimizer.zero_grad()
 
 
-def account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURES, fast=True):
-    """{"peak": {kind: bytes}, "calls": {collective: count}, "sent": {collective: bytes},
-    "collectives": {op: count}} for one step of `plan` on this rank ("collectives" only if
-    "collectives" is in `measure`)."""
+@contextlib.contextmanager
+def prepared(shape, plan: Plan, fake: bool):
+    """(model, optimizer, tokens) for a step of `plan` on this rank, inside the fake mode they
+    were made in if `fake` (this process already in the group: a fake one, or real ranks): a
+    Llama (helpers.llama) laid out by `lay_out`, AdamW's state created by a step on zero
+    gradients, and a micro-batch of random tokens."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.tensor.debug import CommDebugMode
 
-    from helpers import instrument
     from helpers.llama import Llama
 
-    plan.check(shape)
-    if fake:
-        join_fake_group(plan.gpus)
-    elif world_size != plan.gpus:
-        raise ValueError(f"{plan} needs {plan.gpus} ranks, not {world_size}")
     mesh = make_mesh(plan)
     # The model is made under FakeTensorMode, laid out outside it: a mesh computes its
     # coordinates with `nonzero`, which fake tensors cannot run (no data, no output shape).
@@ -246,17 +271,30 @@ def account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURE
         torch.manual_seed(0)
         model = Llama(shape, max_seq_len=plan.seq_len)
     lay_out(model, mesh, plan)
-    with mode:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with mode, shapes_apart() if fake else contextlib.nullcontext():  # (its docstring says why)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # torchtitan's
         for parameter in model.parameters():  # AdamW's moments exist from the first step on
             parameter.grad = torch.zeros_like(parameter)
         optimizer.step()
         optimizer.zero_grad()
-        tokens = torch.randint(0, shape.vocab, (plan.micro_batch, plan.seq_len + 1))
-        step = functools.partial(train_step, model, optimizer, tokens, plan)
-        if plan.tp > 1:  # DTensor's first step in a process computes its operations' shapes with
-            step()  # fake tensors, which a fake step's tracker counts too; the second, fake = real
+        yield model, optimizer, torch.randint(0, shape.vocab, (plan.micro_batch, plan.seq_len + 1))
 
+
+def account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURES, fast=True):
+    """{"peak": {kind: bytes}, "calls": {collective: count}, "sent": {collective: bytes},
+    "collectives": {op: count}} for one step of `plan` on this rank ("collectives" only if
+    "collectives" is in `measure`)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from helpers import instrument
+
+    plan.check(shape)
+    if fake:
+        join_fake_group(plan.gpus)
+    elif world_size != plan.gpus:
+        raise ValueError(f"{plan} needs {plan.gpus} ranks, not {world_size}")
+    with prepared(shape, plan, fake) as (model, optimizer, tokens):
+        step = functools.partial(train_step, model, optimizer, tokens, plan)
         FSDPMemTracker, MemTracker = trackers(fast)
         if plan.tp == 1:  # FSDP's own kinds: sharded and gathered weights, its buffers
             tracker = FSDPMemTracker(model, optimizer)
@@ -287,7 +325,7 @@ def loss_worker(rank, world_size, shape, plan):
     join_fake_group(plan.gpus)
     mesh = make_mesh(plan)
     _, MemTracker = trackers()
-    with FakeTensorMode():
+    with FakeTensorMode(), shapes_apart():
         logits = torch.empty(plan.micro_batch, plan.seq_len, shape.vocab // plan.tp,
                              dtype=torch.bfloat16 if plan.bf16 else torch.float32,
                              requires_grad=True)
@@ -300,7 +338,6 @@ def loss_worker(rank, world_size, shape, plan):
                 F.cross_entropy(logits.flatten(0, 1).float(), targets).backward()
             logits.grad = None
 
-        loss()  # DTensor's first time in a process holds more (account_worker says why)
         tracker = MemTracker()
         with tracker:
             loss()
