@@ -146,3 +146,16 @@ def kept_by_block(shape: Shape, batch: int, seq_len: int, dtype=torch.bfloat16) 
     with saved_activations(block, classify) as saved:
         block(x, cos, sin)
     return saved_bytes_by_kind(saved)
+
+
+def flops_per_token(shape: Shape, seq_len: int) -> int:
+    """torchtitan's count of a Llama's FLOPs per token, forward and backward
+    (get_num_flop_per_token, pytorch/torchtitan@9dec370, torchtitan/utils.py): 6 x the
+    parameters other than the token embedding (a lookup), plus 12 x layers x heads x head_dim x
+    seq_len for attention's two products, after PaLM (Chowdhery et al., 2022, appendix B);
+    recomputation is not counted, nor causal attention's skipped half. Lessons 13 and 14 use it
+    for MFU and step time."""
+    with torch.device("meta"):
+        model = Llama(shape)
+    parameters = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
+    return 6 * parameters + 12 * shape.layers * shape.heads * shape.head_dim * seq_len

@@ -1,10 +1,12 @@
 """Figures published elsewhere that lessons 04, 08, 10 and 13 set beside their measurements and
 projections. None is measured here.
 
-Every number is copied exactly from the file named, at the commit named, of S. Bekman's "Machine
-Learning Engineering Open Book" (github.com/stas00/ml-engineering). Its units: 1 KiB = 2**10
-bytes, 1 GBps = 10**9 bytes per second.
+Every number is copied exactly from the file named, at the commit named: of S. Bekman's "Machine
+Learning Engineering Open Book" (github.com/stas00/ml-engineering; its units: 1 KiB = 2**10
+bytes, 1 GBps = 10**9 bytes per second), and of torchtitan's December 2024 benchmark (lesson 13).
 """
+
+from typing import NamedTuple
 
 BOOK = ("S. Bekman, Machine Learning Engineering Open Book, "
         "github.com/stas00/ml-engineering @744d01e")
@@ -54,18 +56,45 @@ PUBLISHED_SWEEPS = [
 ]
 
 
-# Lesson 13: memory measured on GPUs and published with its conditions. The torchtitan team's
-# benchmark (github.com/pytorch/torchtitan @b5bcd76, benchmarks/llama3_h100_202412_torchtitan.md;
-# torch 1963fc8, torchtitan 9dec370, December 2024): H100s with 96 GB of HBM2e at 500 W,
-# "Memory(GiB)", which torchtitan logs as the CUDA allocator's peak reserved bytes (train.py at
-# 9dec370: device_mem_stats.max_reserved_gib), FSDP2's mixed precision (float32 shards, gathered
-# in bfloat16, gradients reduced in float32: torchtitan's defaults), 8192 tokens a sequence
-# (train_configs/llama3_8b.toml and llama3_70b.toml at 9dec370). Each: (model, GPUs, layout,
-# local batch, recomputation ("op": the 8B toml's selective_ac_option; the benchmark says
-# "selective"), what else was on, GiB, where in the file).
-TORCHTITAN_MEMORY = [
-    ("Llama 3 8B", 8, "FSDP 8", 2, "op", "", 82.4, "Table 1, row FSDP"),
-    ("Llama 3 8B", 128, "FSDP 128", 2, "op", "", 67.0, "Table 3, row FSDP"),
-    ("Llama 3 70B", 256, "FSDP 32 x TP 8", 16, "full", "torch.compile of the blocks, Float8", 71.9,
-     "Table 4, row 2D"),
+# Lesson 13: runs on GPUs, published with their conditions. The torchtitan team's benchmark
+# (github.com/pytorch/torchtitan @b5bcd76, benchmarks/llama3_h100_202412_torchtitan.md; torch
+# 1963fc8, torchtitan 9dec370, December 2024): H100s with 96 GB of HBM2e at 500 W, 8 to a host on
+# NVLink, 400 Gb/s of RDMA per GPU between hosts; "TPS/GPU", tokens per second per GPU (train.py
+# at 9dec370: a rank's tokens / (seconds x the non-data-parallel degree)), read at the 90th
+# iteration; "Memory(GiB)", which torchtitan logs as the CUDA allocator's peak reserved bytes
+# (train.py at 9dec370: device_mem_stats.max_reserved_gib); FSDP2's mixed precision (float32
+# shards, gathered in bfloat16, gradients reduced in float32: torchtitan's defaults), 8192 tokens a
+# sequence (train_configs/llama3_8b.toml and llama3_70b.toml at 9dec370; the file gives none).
+# recompute "op": the 8B toml's selective_ac_option (the benchmark says "selective").
+
+
+class TorchtitanRun(NamedTuple):
+    model: str
+    gpus: int
+    dp: int  # FSDP's degree
+    tp: int
+    local_batch: int  # sequences a data-parallel rank takes a step
+    recompute: str
+    techniques: str  # what else was on: torch.compile (of the blocks), Float8 (its linears)
+    tokens_per_second: int  # TPS/GPU
+    memory_gib: float  # Memory(GiB): max reserved
+    where: str
+
+
+TORCHTITAN_RUNS = [
+    TorchtitanRun("Llama 3 8B", 8, 8, 1, 2, "op", "", 5762, 82.4, "Table 1, row FSDP"),
+    TorchtitanRun("Llama 3 8B", 8, 8, 1, 2, "op", "torch.compile", 6667, 77.0,
+                  "Table 1, row FSDP + torch.compile"),
+    TorchtitanRun("Llama 3 8B", 8, 8, 1, 2, "op", "torch.compile, Float8", 8532, 76.8,
+                  "Table 1, row FSDP + torch.compile + Float8"),
+    TorchtitanRun("Llama 3 8B", 128, 128, 1, 2, "op", "", 5605, 67.0, "Table 3, row FSDP"),
+    TorchtitanRun("Llama 3 8B", 128, 128, 1, 2, "op", "torch.compile", 6514, 62.0,
+                  "Table 3, row FSDP + torch.compile"),
+    TorchtitanRun("Llama 3 8B", 128, 128, 1, 2, "op", "torch.compile, Float8", 8380, 61.8,
+                  "Table 3, row FSDP + torch.compile + Float8"),
+    TorchtitanRun("Llama 3 70B", 256, 32, 8, 16, "full", "torch.compile, Float8", 829, 71.9,
+                  "Table 4, row 2D"),
 ]
+# The benchmark on MFU: "the 1D Llama 3.1 8B model training on 8 or 128 H100 GPUs without Float8
+# achieves 33% to 39% MFU (with or without torch.compile, respectively)", against the SXM's peak.
+TORCHTITAN_MFU = (0.33, 0.39)

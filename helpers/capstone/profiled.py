@@ -17,9 +17,7 @@
   per second this rank's matrix products reach while every rank runs them at once: the
   machine's own peak, shared as the training shares it.
 - `flops_per_token(shape, seq_len)`: torchtitan's count of a model's FLOPs per token
-  (get_num_flop_per_token, pytorch/torchtitan@9dec370, torchtitan/utils.py): 6 x the parameters
-  other than the token embedding, plus 12 x layers x heads x head_dim x seq_len for attention,
-  after PaLM (Chowdhery et al., 2022, appendix B); recomputation is not counted.
+  (helpers.llama's, which lesson 13 also uses).
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ from helpers.capstone import traces
 from helpers.capstone.corpus import python_source
 from helpers.capstone.train import Config, build, dp_rank, make_optimizer, train_step
 from helpers.launcher.result import get_device
+from helpers.llama import flops_per_token  # noqa: F401 - the notebook calls profiled.flops_per_token
 from helpers.timing import Clock, synchronize
 
 
@@ -106,12 +105,3 @@ def matmul_rate_worker(rank, world_size, size: int = 512, dtype=torch.bfloat16,
         products += 1
     synchronize()
     return 2 * size ** 3 * products / clock()
-
-
-def flops_per_token(shape, seq_len: int) -> int:
-    from helpers.llama import Llama
-
-    with torch.device("meta"):
-        model = Llama(shape)
-    parameters = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
-    return 6 * parameters + 12 * shape.layers * shape.heads * shape.head_dim * seq_len
