@@ -47,14 +47,13 @@ def progress_bar(total: int, description: str = "") -> ProgressBar:
     return ProgressBar(total, description)
 
 
-class WarmUpIndicator:
-    """A line of text and a progress bar that creeps towards the end over about
-    `expected_seconds`, then fills and says "ready" at `done()`: an indicator, not silence."""
+class Creeping:
+    """A progress bar that creeps towards the end over about `expected_seconds`, for a wait whose
+    steps cannot be counted (one run in a process of its own), then fills and says `finished`
+    at `done()`: an indicator, not silence. Also a context manager."""
 
-    def __init__(self, expected_seconds: float = 3.0):
-        print("Warming up: starting the worker pool, which imports torch once per kernel "
-              "(a few seconds). Later launches take about 0.1 s.", flush=True)
-        self.bar = ProgressBar(1, "worker pool: warming up")
+    def __init__(self, label: str, expected_seconds: float, finished: str = "done"):
+        self.bar, self.finished = ProgressBar(1, label), finished
         self._finished = threading.Event()
         self._creeping = threading.Thread(target=self._creep, args=(expected_seconds,),
                                           daemon=True)
@@ -67,4 +66,25 @@ class WarmUpIndicator:
     def done(self):
         self._finished.set()
         self._creeping.join()
-        self.bar.finish("worker pool: ready")
+        self.bar.finish(self.finished)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.done()
+
+
+def waiting(label: str, expected_seconds: float) -> Creeping:
+    """`with waiting("one fake step of Llama 3 8B", 20): ...`: a bar that creeps while it runs."""
+    return Creeping(label, expected_seconds, finished=f"{label}: done")
+
+
+class WarmUpIndicator(Creeping):
+    """The worker pool's warm-up (`import helpers` in a kernel): a line of text, and a bar that
+    says "ready" at `done()`."""
+
+    def __init__(self, expected_seconds: float = 3.0):
+        print("Warming up: starting the worker pool, which imports torch once per kernel "
+              "(a few seconds). Later launches take about 0.1 s.", flush=True)
+        super().__init__("worker pool: warming up", expected_seconds, "worker pool: ready")

@@ -1,13 +1,15 @@
 """Lesson 13, at scale without a cluster: notebooks/13_at_scale.ipynb.
 
 Real model sizes on fake ranks, and PyTorch's own accounting of their memory and communication,
-trusted only where it agrees with real ranks. meta_init: a model built on the meta device, laid
-out, moved with `to_empty` and initialised the same under every layout. accounting: one training
-step of a layout (`Plan`) on real or fake ranks, under FSDPMemTracker, CommDebugMode and the
-course's Observer. fits: whether a layout fits a GPU, decided by a fake run; the sweep of the
-lesson's question (sweep_8b.json) and the runs at real size (at_size.json), written by its
-script. plots: drawn in the kernel. exercises: the checked exercises;
-solutions: their reference solutions.
+trusted only where it agrees with real ranks, then the time a step takes. meta_init: a model
+built on the meta device, laid out, moved with `to_empty` and initialised the same under every
+layout. accounting: one training step of a layout (`Plan`) on real or fake ranks, under
+FSDPMemTracker, CommDebugMode and the course's Observer. timeline: the same step's memory after
+every operation. step_time: a step's time from its FLOPs and bytes, calibrated on a published
+run. fits: whether a GPU holds a layout, decided by a fake run, and how fast it runs; the sweep
+of the lesson's question (sweep_8b.json) and the runs at real size (at_size.json), written by its
+script. plots: drawn in the kernel. exercises: the checked exercises; solutions: their reference
+solutions.
 """
 
 NOTEBOOK = "13_at_scale.ipynb"

@@ -11,31 +11,46 @@ from helpers.llama import Llama, Shape
 
 EXERCISES = {}
 
-# --- a layout that fits, sending the least (design) ---------------------------------------------
+# --- the fastest layout a GPU can hold (design) -------------------------------------------------
 
 GiB = 2**30
-SPARE = 0.10  # the share of the memory a layout must leave free at its peak
 # (memory per GPU in GiB,): an H100's 80 GiB (ml-engineering's "80GiB H100-SXM", lesson 10), and
-# 48 GiB, a smaller GPU (no particular model: GPUs sold as "48 GB" hold 44.7 GiB), for the
-# lesson's question (fits.QUESTION)
-MEMORIES = [(80,), (48,)]
+# two smaller GPUs (no particular models: GPUs sold as "48 GB" hold 44.7 GiB), for the lesson's
+# question (fits.QUESTION); on the last, no layout of it can be held
+MEMORIES = [(80,), (48,), (24,)]
+NO_LAYOUT = "raised ValueError"
 
 
-def best_in_sweep(memory_gib: float) -> tuple:
-    """(plan, peak, sent) of the committed sweep's layout that leaves SPARE of the memory free and
-    sends the fewest bytes (on a tie, the least memory)."""
-    rows = fits_module.load_sweep()
-    fitting = [row for row in rows if row[1] <= (1 - SPARE) * memory_gib * GiB]
-    return min(fitting, key=lambda row: (row[2], row[1]))
+def held(verdict) -> bool:
+    """Whether a GPU could hold the layout: its fake peak grown by the most a published run
+    reserved per byte of its fake peak (fits.reserved_ratio) within the memory."""
+    return verdict.peak * fits_module.reserved_ratio() <= verdict.memory
+
+
+def best_in_sweep(memory_gib: float):
+    """The Verdict of the committed sweep's fastest layout that a GPU of `memory_gib` holds, or
+    None."""
+    holding = [verdict for verdict in fits_module.sweep_verdicts(memory_gib) if held(verdict)]
+    return max(holding, key=lambda verdict: verdict.step.tokens_per_second, default=None)
+
+
+def _expected_plan(memory_gib):
+    if best_in_sweep(memory_gib) is None:
+        return NO_LAYOUT, "-", "-"
+    return "a Plan of the question", "yes", "yes"
 
 
 def _judge(function, memory_gib):
-    """Run the learner's plan on fake ranks and judge it against the best of the sweep."""
+    """Judge the learner's plan by the committed sweep's fake run of it (every layout of the
+    question is one of the sweep's; the tests run them again), against the sweep's best."""
     from helpers.composing.strategy import MODELS
 
     question = fits_module.QUESTION
-    plan = function(MODELS[question["model"]], question["gpus"], memory_gib * GiB,
-                    question["sequences"], question["seq_len"])
+    try:
+        plan = function(MODELS[question["model"]], question["gpus"], memory_gib * GiB,
+                        question["sequences"], question["seq_len"])
+    except ValueError:
+        return NO_LAYOUT, "-", "-"
     if not isinstance(plan, Plan):
         return (f"your function returned {type(plan).__name__}; the task asks for a Plan",
                 "-", "-")
@@ -44,36 +59,53 @@ def _judge(function, memory_gib):
                 f"{question['gpus']} GPUs = dp x tp with tp a power of two up to 8, "
                 f"{question['sequences']} sequences of {question['seq_len']} tokens a step "
                 "(dp x micro_batch of them), in bfloat16, no replicas", "-", "-")
-    verdict = fits_module.fits(MODELS[question["model"]], plan, memory_gib * GiB)
-    _, best_peak, best_sent = best_in_sweep(memory_gib)
-    spare = ("yes" if verdict.spare >= SPARE else
-             f"no: {verdict}; at least {SPARE:.0%} must stay free")
-    fewest = ("yes" if verdict.sent <= best_sent else
-              f"no: it sends {verdict.sent / GiB:.2f} GiB a step where another layout sends "
-              f"{best_sent / GiB:.2f} GiB and leaves {1 - best_peak / (memory_gib * GiB):.0%} "
-              "free")
-    return "a Plan of the question", spare, fewest
+    verdict = next(verdict for verdict in fits_module.sweep_verdicts(memory_gib)
+                   if verdict.plan == plan)
+    ratio = fits_module.reserved_ratio()
+    holds = ("yes" if held(verdict) else
+             f"no: its fake peak, {verdict.peak / GiB:.1f} GiB, x {ratio:.3f} = "
+             f"{verdict.peak * ratio / GiB:.1f} GiB, more than {memory_gib} GiB")
+    best = best_in_sweep(memory_gib)
+    speed = verdict.step.tokens_per_second
+    fastest = ("yes" if best is None or speed >= best.step.tokens_per_second * (1 - 1e-9) else
+               f"no: {speed:,.0f} tokens/s a GPU, where another layout that a GPU holds runs "
+               f"{best.step.tokens_per_second:,.0f}")
+    return "a Plan of the question", holds, fastest
+
+
+def _plan_hint(got, expected, memory_gib):
+    if expected[0] == NO_LAYOUT and got[0] != NO_LAYOUT:
+        return (f"on GPUs of {memory_gib} GiB, can any layout of the question be held? The task "
+                "asks for a ValueError when none can")
+    if got[0] == NO_LAYOUT:
+        return (f"a layout of the question can be held on GPUs of {memory_gib} GiB: which did "
+                "your search leave out?")
+    if got[1] != "yes":
+        return ("a fake peak counts the tensors a step holds; what more did the published GPUs "
+                "reserve, and does your plan leave room for it?")
+    return None
 
 
 EXERCISES["choose_plan"] = Exercise(
-    "choose_plan(shape, gpus, memory, sequences, seq_len) returns a Plan (helpers.at_scale."
-    "accounting.Plan) for training a Llama of `shape` on `gpus` GPUs of `memory` bytes each, "
-    "`sequences` sequences of `seq_len` tokens a step in bfloat16 (Plan's bf16=True; "
-    "dp x micro_batch = sequences, one micro-batch a step; the layouts fits.candidates() lists): "
-    f"one whose peak, measured on fake ranks, leaves at least {SPARE:.0%} of the memory free, "
-    "and which sends no more bytes a step than any other of those layouts that does. The "
-    "checker runs your plan on fake ranks, for Llama 3 8B "
-    "with 8 sequences of 8192 tokens on 8 GPUs of 80 and of 48 GiB, and compares it with the "
-    "best layout its own sweep of them found",
+    "choose_plan(shape, gpus, memory, sequences, seq_len) returns the Plan (helpers.at_scale."
+    "accounting.Plan) that trains a Llama of `shape` fastest on `gpus` GPUs of `memory` bytes "
+    "each, `sequences` sequences of `seq_len` tokens a step in bfloat16, among the layouts "
+    "fits.candidates(gpus, sequences, seq_len) lists that a GPU can hold. Held: its peak on "
+    "fake ranks, times the most that a published run reserved per byte of its fake peak "
+    "(fits.reserved_ratio()), is within `memory`. Fastest: the most tokens per second by the "
+    "lesson's step-time estimate (a fits.Verdict's .step). Where no layout can be held, it "
+    "raises ValueError. The checker asks for Llama 3 8B with 8 sequences of 8192 tokens on 8 "
+    "GPUs of 80, 48 and 24 GiB, and judges your plan by its own sweep's fake run of every "
+    "layout",
     MEMORIES,
-    lambda memory_gib: ("a Plan of the question", "yes", "yes"),
+    _expected_plan,
     distributed=False,
     harness=_judge,
     timeout=600,
-    names=("the plan", "fits with 10% to spare", "sends no more than the best"),
-    hint="fits() says what a layout sends as well as its peak (a Verdict's .sent and .peak): "
-         "which choices change the bytes on the wire is for the runs to say. A fake step of a "
-         "block or two takes a second or so.",
+    names=("the plan", "a GPU holds it", "the fastest that one holds"),
+    hint_for=_plan_hint,
+    hint="a Verdict of fits() has the step's estimated time as well as its peak: which choices "
+         "make a step slower is for the estimate to say.",
 )
 
 
@@ -90,8 +122,10 @@ def _rank_view(rank, world_size, function, shape):
     import torch
     from torch.distributed.tensor import DTensor
 
+    from helpers.at_scale import meta_init
+
     built_on, allocated = [], []
-    original, to_empty = Llama.__init__, torch.nn.Module.to_empty
+    original, to_empty, init = Llama.__init__, torch.nn.Module.to_empty, meta_init.init_weights
 
     def recording(self, *args, **kwargs):
         built_on.append(torch.empty(0).device.type)  # the default device where it is made
@@ -103,11 +137,23 @@ def _rank_view(rank, world_size, function, shape):
                 isinstance(p, DTensor) for p in self.parameters()) else "the whole model")
         return to_empty(self, *args, **kwargs)
 
+    def initialising(model, *args, **kwargs):  # on the meta device, a copy_ writes nothing
+        if any(p.is_meta for p in model.parameters()):
+            allocated.append(f"nothing yet when init_weights ran ({WROTE_NOTHING})")
+        return init(model, *args, **kwargs)
+
+    # init_weights as the module has it, and as the learner's cell may have imported it
+    scope = getattr(function, "__globals__", {})
+    names = [name for name, value in scope.items() if value is init]
     Llama.__init__, torch.nn.Module.to_empty = recording, allocating
+    meta_init.init_weights = initialising
+    scope.update(dict.fromkeys(names, initialising))
     try:
         model = function(rank, world_size, shape)
     finally:
         Llama.__init__, torch.nn.Module.to_empty = original, to_empty
+        meta_init.init_weights = init
+        scope.update(dict.fromkeys(names, init))
     parameters = dict(model.named_parameters())
     sharded = all(isinstance(p, DTensor) and p.device_mesh.size() == world_size
                   for p in parameters.values())
@@ -141,9 +187,16 @@ def _one_process(case):
             {name: p.detach() for name, p in model.named_parameters()})
 
 
+WROTE_NOTHING = "it wrote nothing: the weights were on the meta device"
+
+
 def _meta_hint(got, expected, case):
     if not isinstance(got, tuple) or len(got) != 4 or not isinstance(got[3], dict):
         return None
+    if WROTE_NOTHING in str(got[1]):
+        return ("a weight on the meta device has no memory to write its value to, and to_empty "
+                "then gives it memory that holds whatever was there. In which order must the "
+                "two come?")
     if got[0] != expected[0] or got[1] != expected[1]:
         return ("where is memory allocated for the weights, and for how much of them? A rank "
                 "should only ever hold its own pieces")

@@ -4,6 +4,7 @@ which layouts of the lesson's question fit a GPU."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 from helpers.at_scale.accounting import RECOMPUTE
 from helpers.drawing import GREY
@@ -92,39 +93,139 @@ def itemised(fake: dict, projection: dict, left_out: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_fits(sweep: list, memories: tuple, title: str = ""):
+def plot_fits(verdicts: dict, ratio: float, title: str = ""):
     """The sweep's layouts (rows: tensor-parallel degree; columns: recomputation), one panel per
-    GPU memory: green where the fake run's peak leaves 10% of it free, amber where it fits with
-    less, red where it does not fit; each cell with its peak and the bytes a rank sends."""
-    tps = sorted({plan.tp for plan, _, _ in sweep})
-    fig, axes = plt.subplots(1, len(memories), figsize=(4.6 * len(memories), 3.2), squeeze=False)
-    for ax, memory in zip(axes[0], memories):
-        for plan, peak, sent in sweep:
+    GPU memory, verdicts = {memory: [fits.Verdict]}: green where a GPU holds the layout (its fake
+    peak times `ratio`, what the published runs reserved per byte of theirs, fits), amber where
+    only the fake peak fits, red where it does not; each cell with its peak and its estimated
+    tokens per second, the fastest green one framed."""
+    first = next(iter(verdicts.values()))
+    tps = sorted({verdict.plan.tp for verdict in first})
+    fig, axes = plt.subplots(1, len(verdicts), figsize=(4.6 * len(verdicts), 3.4), squeeze=False)
+    for ax, (memory, row) in zip(axes[0], verdicts.items()):
+        held = [verdict for verdict in row if verdict.peak * ratio <= memory]
+        best = max(held, key=lambda verdict: verdict.step.tokens_per_second, default=None)
+        for verdict in row:
+            plan = verdict.plan
             x, y = RECOMPUTE.index(plan.recompute), tps.index(plan.tp)
-            color = ("#4c9f70" if peak <= 0.9 * memory else "#e0a030" if peak <= memory
+            color = ("#4c9f70" if verdict in held else "#e0a030" if verdict.fits
                      else "#c44e52")
             ax.add_patch(plt.Rectangle((x - 0.48, y - 0.45), 0.96, 0.9, color=color))
-            ax.text(x, y, f"{peak / GiB:.0f} GiB\nsends {sent / GiB:.1f} GiB", ha="center",
-                    va="center", fontsize=8, color="white")
+            if verdict is best:
+                ax.add_patch(plt.Rectangle((x - 0.48, y - 0.45), 0.96, 0.9, fill=False,
+                                           edgecolor="black", linewidth=2.5))
+            ax.text(x, y, f"{verdict.peak / GiB:.0f} GiB\n"
+                    f"{verdict.step.tokens_per_second:,.0f} tok/s", ha="center", va="center",
+                    fontsize=8, color="white")
         ax.set_xlim(-0.5, len(RECOMPUTE) - 0.5)
         ax.set_ylim(-0.5, len(tps) - 0.5)
         ax.set_xticks(range(len(RECOMPUTE)), [f"recompute\n{mode}" for mode in RECOMPUTE],
                       fontsize=8)
-        ax.set_yticks(range(len(tps)), [f"tp {tp}, dp {sweep[0][0].gpus // tp}" for tp in tps],
+        ax.set_yticks(range(len(tps)), [f"tp {tp}, dp {first[0].plan.gpus // tp}" for tp in tps],
                       fontsize=8)
         ax.set_title(f"GPUs of {memory / GiB:.0f} GiB", fontsize=10)
         for side in ax.spines.values():
             side.set_visible(False)
     fig.suptitle(title, fontsize=10)
+    fig.legend(handles=[Patch(color="#4c9f70", label=f"a GPU holds it (fake peak x {ratio:.2f} "
+                                                     "fits)"),
+                        Patch(color="#e0a030", label="only the fake peak fits"),
+                        Patch(color="#c44e52", label="the fake peak does not fit"),
+                        Patch(facecolor="white", edgecolor="black", linewidth=2.5,
+                              label="the fastest that a GPU holds")],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
+PHASE_COLORS = {"forward": "#f2f2f2", "loss": "#fde7d6", "backward, the loss's": "#f9cfae",
+                "backward, the model's": "#e4ecf7", "clipping": "#eeeeee", "optimizer": "#e6e0f2"}
+
+
+def plot_timeline(found: dict, title: str = ""):
+    """A step's memory after every operation (timeline.timeline_worker's), stacked by the
+    lesson's kinds, the phases shaded behind and the peak marked."""
+    records = [dict(zip(found["kinds"], values)) for values in zip(*found["kinds"].values())]
+    rows = [by_kind(record) for record in records]
+    kinds = [kind for kind in KIND_COLORS if any(row.get(kind, 0) for row in rows)]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    steps = range(len(rows))
+    ax.stackplot(steps, *[[row.get(kind, 0) / GiB for row in rows] for kind in kinds],
+                 colors=[KIND_COLORS[kind] for kind in kinds], labels=kinds, linewidth=0)
+    starts = [start for _, start in found["phases"]] + [len(rows)]
+    total = [record["Total"] / GiB for record in records]
+    groups = []  # a wide phase alone; neighbouring narrow ones (the loss, say) under one label
+    for (phase, start), end in zip(found["phases"], starts[1:]):
+        ax.axvspan(start, end, color=PHASE_COLORS.get(phase, "#f2f2f2"), zorder=-1)
+        narrow = end - start < 0.05 * len(rows)
+        if narrow and groups and groups[-1][0]:
+            groups[-1][1].append(phase)
+            groups[-1][3] = end
+        else:
+            groups.append([narrow, [phase], start, end])
+    for narrow, phases, start, end in groups:
+        middle = (start + end) / 2
+        align = "right" if narrow and middle > 0.8 * len(rows) else "center"
+        ax.text(end if align == "right" else middle, max(total) * 1.06,
+                " + ".join(phases) if narrow else phases[0], ha=align, va="bottom", fontsize=8)
+    peak = max(range(len(total)), key=total.__getitem__)
+    ax.plot(peak, total[peak], "o", color="black")
+    peak_phase = found["phases"][sum(start <= peak for start in starts[:-1]) - 1][0]
+    ax.annotate(f"peak {total[peak]:.1f} GiB, in {peak_phase}", (peak, total[peak]),
+                xytext=(12, -4), textcoords="offset points", fontsize=9)
+    ax.set_xlim(0, len(rows))
+    ax.set_ylim(0, max(total) * 1.18)
+    ax.set_xlabel("operations of the step, in order")
+    ax.set_ylabel("GiB alive on rank 0")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_step_times(rows: list, title: str = ""):
+    """rows = [(label, step_time.StepTime, published tokens/s a GPU or None)]: per row, compute
+    then tensor parallelism's time on the critical path, FSDP's time on the link below them (it
+    overlaps with compute), and the published step's length, marked."""
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.8 * len(rows)))
+    for row, (_, time, published) in enumerate(reversed(rows)):
+        ax.barh(row + 0.12, time.compute, height=0.4, color="#55A868",
+                label="compute (FLOPs at the calibrated efficiency)")
+        ax.barh(row + 0.12, time.tp, left=time.compute, height=0.4, color="#DD8452",
+                label="tensor parallelism, on the critical path")
+        ax.barh(row - 0.24, time.fsdp, height=0.2, color="#4C72B0", alpha=0.6,
+                label="FSDP on the link, under compute where it fits")
+        text = f"{time.tokens_per_second:,.0f} tokens/s a GPU"
+        if published:
+            seconds = time.tokens / published
+            ax.plot([seconds, seconds], [row - 0.35, row + 0.4], color="black", linewidth=2,
+                    label="published step (tokens / published tokens/s)")
+            text += (f"; published {published:,}: "
+                     f"{time.tokens_per_second / published - 1:+.0%}")
+        ax.text(max(time.seconds, time.fsdp) * 1.02 + 0.3, row, text, va="center", fontsize=9)
+    ax.set_yticks(range(len(rows)), [label for label, _, _ in reversed(rows)], fontsize=9)
+    ax.set_xlabel("seconds a step, per GPU (a model, not a measurement)")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper center",
+              bbox_to_anchor=(0.5, -0.25), ncol=2, frameon=False)
+    ax.set_xlim(0, max(max(time.seconds, time.fsdp) for _, time, _ in rows) * 1.7)
+    ax.set_title(title, fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
     fig.tight_layout()
     return fig
 
 
 def key_figure():
     """The lesson's key figure, from the committed sweep of fake runs (fits.SWEEP, which the
-    tests run again in part): which layouts of Llama 3 8B fit GPUs of 80 and 48 GiB."""
-    from helpers.at_scale.fits import QUESTION, load_sweep
+    tests run again in part): which layouts of Llama 3 8B a GPU of 80 or 48 GiB holds, and how
+    fast each would run."""
+    from helpers.at_scale.fits import QUESTION, reserved_ratio, sweep_verdicts
 
-    return plot_fits(load_sweep(), (80 * GiB, 48 * GiB),
+    return plot_fits({gib * GiB: sweep_verdicts(gib) for gib in (80, 48)}, reserved_ratio(),
                      f"{QUESTION['model']}, {QUESTION['sequences']} x {QUESTION['seq_len']} "
-                     f"tokens a step on {QUESTION['gpus']} fake ranks: peak per GPU, GiB sent")
+                     f"tokens a step on {QUESTION['gpus']} fake ranks: peak per GPU, and "
+                     "tokens/s a GPU (estimated)")

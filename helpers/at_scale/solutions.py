@@ -3,38 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-from helpers.at_scale.accounting import RECOMPUTE, Plan
-from helpers.at_scale.fits import fits
+from helpers.at_scale import fits
 
-SPARE = 0.10
+
+@functools.cache
+def _extrapolated(shape, plan):
+    """(peak, {collective: bytes sent}) of `plan` for the whole model, from fake steps of 2 and 3
+    blocks: a step's peak and its bytes grow by the same amount with every block (its weights,
+    what it keeps for backward, its collectives), as long as the peak stays at the same moment of
+    the step."""
+    two, three = (fits.fake_step(dataclasses.replace(shape, layers=layers), plan)
+                  for layers in (2, 3))
+
+    def grown(at_two, at_three):
+        return at_two + (at_three - at_two) * (shape.layers - 2)
+
+    return (grown(two["peak"]["Total"], three["peak"]["Total"]),
+            {name: grown(two["sent"][name], three["sent"][name]) for name in three["sent"]})
 
 
 def choose_plan(shape, gpus, memory, sequences, seq_len):
-    """Every layout of the question, cheapest on the wire first; the first whose fake peak leaves
-    10% free. The bytes a step sends grow by the same amount with every block (each block's
-    all-gathers, reduce-scatters and tensor-parallel collectives), so two fake steps of 1 and 2
-    blocks give them exactly for any depth, in seconds; only the peak needs the whole model."""
-    layouts = []
-    tp = 1
-    while tp <= min(8, gpus):
-        if gpus % tp == 0 and sequences % (gpus // tp) == 0:
-            layouts += [Plan(dp=gpus // tp, tp=tp, recompute=recompute,
-                             micro_batch=sequences // (gpus // tp), seq_len=seq_len, bf16=True)
-                        for recompute in RECOMPUTE]
-        tp *= 2
-
-    def sent(plan):
-        one, two = (fits(dataclasses.replace(shape, layers=layers), plan, memory).sent
-                    for layers in (1, 2))
-        return one + (two - one) * (shape.layers - 1)
-
-    for plan in sorted(layouts, key=sent):
-        if fits(shape, plan, memory).spare >= SPARE:
-            return plan
-    raise ValueError("no layout leaves 10% free")
+    """Every layout of the question, fastest first by the step-time estimate, each sized from two
+    small fake steps (seconds, where a step of the whole model takes many); the first that a GPU
+    holds by its small steps is run whole to confirm it (a peak may move to another moment of a
+    deeper model's step, never below the small steps' line), and the first confirmed is the
+    answer."""
+    ratio = fits.reserved_ratio()
+    guesses = sorted((fits.verdict(shape, plan, *_extrapolated(shape, plan), memory)
+                      for plan in fits.candidates(gpus, sequences, seq_len)),
+                     key=lambda verdict: verdict.step.tokens_per_second, reverse=True)
+    for guess in guesses:
+        if guess.peak * ratio <= memory and \
+                fits.fits(shape, guess.plan, memory).peak * ratio <= memory:
+            return guess.plan
+    raise ValueError(f"no layout of the question can be held in {memory / 2**30:.0f} GiB")
 
 
 def meta_built(rank, world_size, shape):

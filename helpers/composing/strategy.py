@@ -25,7 +25,12 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    08), keep 2 (1 - 1/t) sbh elements more per layer. Without recomputation, and
                    with selective recomputation (which recomputes attention's s x s core; a flash
                    kernel keeps none), a layer keeps all of them; with attention="math" the
-                   softmax's output is kept too (heads x s per token). With full recomputation a
+                   softmax's output is kept too (heads x s per token). With torchtitan's op-level
+                   policy ("op", pytorch/torchtitan@9dec370, parallelize_llama.py, _save_list:
+                   every other matrix product's output and the attention kernel's) a layer keeps
+                   its input, the outputs of wq, wv, w1 and w2, and attention's output, 16-bit,
+                   and its log-sum-exp in float32: 2 (4h + kv + ffn) + 4 heads bytes a token,
+                   the count lesson 13 checks against a fake run. With full recomputation a
                    layer keeps only its input, s/t tokens of it with sequence parallelism
                    (torchtitan's plan reduce-scatters each block's output to a shard of the tokens,
                    torchtitan@b5bcd76, torchtitan/models/llama3/sharding.py; Megatron-LM refuses
@@ -58,7 +63,9 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    all-gather of each column-parallel layer's input that Megatron-LM repeats in
                    backward (Korthikanti et al., section 4.2.2), so five, for each layer of the
                    stage and each micro-batch; under full recomputation the forward's two run
-                   again in backward, seven in all
+                   again in backward, seven in all. These are Megatron-LM's counts: DTensor's
+                   layers (torchtitan's plan) keep the gathered inputs, and send 4, 5 and 5.5
+                   without, with op-level and with full recomputation (lesson 13 measures them)
     pipeline       each micro-batch's activation forward and its gradient back, this rank's s / t
                    tokens of it (with sequence parallelism, as Megatron-LM sends them), 2 bytes
                    each; a stage with neighbours on both sides sends both, an end stage one (the
@@ -79,8 +86,9 @@ Megatron-LM's training script with --bf16 reduces them in float32, twice the byt
 unless given --grad-reduce-in-bf16 (megatron/training/arguments.py).
 Left out, and sized by `left_out`: the logits, their float32 upcast and gradient, and ZeRO-3's
 gathered layers, whole gradients, embedding and head. Not sized: each operation's backward
-temporaries, the CUDA and NCCL context, the allocator's fragmentation, and the wait of a
-pipeline's bubble.
+temporaries, what a GPU's caching allocator reserves beyond the tensors alive (a pool per stream,
+fragmentation; lesson 13), and the wait of a pipeline's bubble. The CUDA and NCCL contexts lie
+outside the allocator: they take from the GPU's memory, not from what the allocator reports.
 """
 
 from __future__ import annotations
@@ -94,8 +102,9 @@ from helpers.tensor_parallelism.cost import layer_bytes_sent
 from helpers.zero_and_fsdp.memory import bytes_per_rank
 
 GPU_MEMORY = 80 * 2**30  # H100 SXM, bytes (ml-engineering, compute/accelerator/README.md)
-RECOMPUTATION = ("none", "selective", "full")
+RECOMPUTATION = ("none", "selective", "op", "full")
 RECOMPUTATION_LABELS = {"none": "no recomputation", "selective": "selective recomputation",
+                        "op": "op-level recomputation (torchtitan's)",
                         "full": "full recomputation"}
 ATTENTION = ("flash", "math")
 INSIDE, BETWEEN = "NVLink 4 (H100, H200)", "InfiniBand NDR400, one port"  # lesson 04's labels
@@ -145,6 +154,12 @@ class Model(Shape):
         statistics = FLOAT32 * (self.heads + 2)  # log-sum-exp per head; two norms' 1/rms
         scores = self.heads * seq_len * element if attention == "math" else 0
         return widths * element + statistics + scores
+
+    def kept_by_op_policy(self, element: int = 2) -> float:
+        """Bytes one layer keeps for backward per token under torchtitan's op-level policy (the
+        module docstring): its input, the outputs of wq, wv, w1, w2 and attention, in `element`
+        bytes, and attention's log-sum-exp per head in float32."""
+        return (4 * self.dim + self.kv_dim + self.ffn) * element + FLOAT32 * self.heads
 
     def kept_widths(self) -> dict:
         """The elements per token of each 16-bit tensor a Llama layer keeps for backward with a
@@ -210,6 +225,8 @@ def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int 
         activations = kept[attention] * layers * in_flight
     elif recomputation == "selective":  # attention's core recomputed: nothing s x s is kept
         activations = kept["flash"] * layers * in_flight
+    elif recomputation == "op":
+        activations = model.kept_by_op_policy(element) * tokens * layers * in_flight
     else:  # each layer's input, s/t tokens of it, and one layer at a time while recomputed
         activations = tokens * model.dim * element * layers * in_flight + kept[attention]
     ring = (layout.dp - 1) / layout.dp * shard  # elements one ring pass sends
