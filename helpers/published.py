@@ -61,8 +61,10 @@ PUBLISHED_SWEEPS = [
 # 1963fc8, torchtitan 9dec370, December 2024): H100s with 96 GB of HBM2e at 500 W, 8 to a host on
 # NVLink, 400 Gb/s of RDMA per GPU between hosts; "TPS/GPU", tokens per second per GPU (train.py
 # at 9dec370: a rank's tokens / (seconds x the non-data-parallel degree)), read at the 90th
-# iteration; "Memory(GiB)", which torchtitan logs as the CUDA allocator's peak reserved bytes
-# (train.py at 9dec370: device_mem_stats.max_reserved_gib); FSDP2's mixed precision (float32
+# iteration; "Memory(GiB)", which the file does not name: almost certainly the CUDA allocator's
+# peak reserved bytes, which torchtitan prints on its line of each logged step (train.py at
+# 9dec370: device_mem_stats.max_reserved_gib; its metrics log max_active beside it), where a
+# table's figure is read; FSDP2's mixed precision (float32
 # shards, gathered in bfloat16, gradients reduced in float32: torchtitan's defaults), 8192 tokens a
 # sequence (train_configs/llama3_8b.toml and llama3_70b.toml at 9dec370; the file gives none).
 # recompute "op": the 8B toml's selective_ac_option (the benchmark says "selective").
@@ -96,5 +98,7 @@ TORCHTITAN_RUNS = [
                   "Table 4, row 2D"),
 ]
 # The benchmark on MFU: "the 1D Llama 3.1 8B model training on 8 or 128 H100 GPUs without Float8
-# achieves 33% to 39% MFU (with or without torch.compile, respectively)", against the SXM's peak.
+# achieves 33% to 39% MFU (with or without torch.compile, respectively)" [sic: its tables give 33 %
+# without torch.compile and 39 % with], against the SXM's peak (its footnote 2: its 500 W HBM2e
+# H100s peak lower, by an amount it does not know, so the true MFU is higher).
 TORCHTITAN_MFU = (0.33, 0.39)

@@ -144,6 +144,23 @@ def test_with_tensor_parallelism_fake_ranks_count_the_loss_at_the_peak_as_real_r
     assert fake == real[0]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_what_a_block_keeps_under_the_op_level_policy_is_the_projections_count(tp):
+    """strategy.project's "op" count, 2 (4d + kv + f) + 4 heads bytes a token (over tp: w2's
+    partial output whole, the two reduce-scatters' outputs too), is what one more block adds to
+    a fake step's activations."""
+    from helpers.composing import strategy
+
+    shape = strategy.Model(layers=2, dim=256, heads=8, kv_heads=2, ffn=768, vocab=1024, name="")
+    plan = Plan(dp=2, tp=tp, recompute="op", micro_batch=2, seq_len=256, bf16=True)
+    kept = [run(account_worker, 1, args=(dataclasses.replace(shape, layers=layers), plan),
+                kwargs={"fake": True, "measure": ("memory",)}, init_group=False,
+                show_output=False, timeout=120)[0]["peak"]["Activation"] for layers in (2, 3)]
+    per_block = strategy.project(shape, strategy.Layout(dp=2, tp=tp, pp=1, zero=3), seq_len=256,
+                                 micro_batch=2, global_batch=4, recomputation="op")["activations"]
+    assert kept[1] - kept[0] == per_block / shape.layers
+
+
 def test_a_steps_memory_is_recorded_after_every_operation_and_peaks_in_the_losss_backward():
     from helpers.at_scale.timeline import at_peak, timeline_worker
 
@@ -263,6 +280,7 @@ def test_the_fastest_layout_a_gpu_holds_is_fsdp_with_the_least_recomputation_tha
     assert best_in_sweep(80).plan == fsdp("op")
     assert best_in_sweep(48).plan == fsdp("full")
     assert best_in_sweep(24) is None
+    assert best_in_sweep(40, "16 GPUs").plan == dataclasses.replace(fsdp("full"), dp=16)
 
 
 # --- the checkers -------------------------------------------------------------------------------
@@ -326,6 +344,28 @@ def never_gives_up(shape, gpus, memory, sequences, seq_len):
     """Right on 80 and 48 GiB; on 24, where nothing can be held, a plan all the same."""
     recompute = "op" if memory >= 80 * 2**30 else "full"
     return Plan(dp=gpus, recompute=recompute, micro_batch=1, seq_len=seq_len, bf16=True)
+
+
+def looked_up(shape, gpus, memory, sequences, seq_len):
+    """The lesson's answers, by memory alone."""
+    recompute = {80: "op", 48: "full"}.get(round(memory / 2**30))
+    if recompute is None:
+        raise ValueError("no layout fits")
+    return Plan(dp=8, recompute=recompute, micro_batch=1, seq_len=seq_len, bf16=True)
+
+
+def gives_up_otherwise(shape, gpus, memory, sequences, seq_len):
+    if memory < 40 * 2**30:
+        raise RuntimeError("nothing fits")
+    return looked_up(shape, gpus, memory, sequences, seq_len)
+
+
+def test_the_layout_checker_rejects_answers_looked_up_and_the_wrong_error():
+    expect_rejection("choose_plan", looked_up, "For the case question='16 GPUs', memory_gib=40: "
+                     "the plan: expected 'a Plan of the question', got 'raised ValueError'")
+    text = expect_rejection("choose_plan", gives_up_otherwise,
+                            "the plan: expected 'raised ValueError', got 'raised RuntimeError'")
+    assert "The task asks for a ValueError when none can" in text
 
 
 def test_the_layout_checker_rejects_another_question_and_a_search_that_gives_up():
@@ -406,3 +446,36 @@ def test_the_meta_checker_says_when_the_weights_were_initialised_before_they_had
                             "nothing yet when init_weights ran (it wrote nothing: the weights "
                             "were on the meta device)")
     assert "In which order must the two come?" in text
+
+
+def never_initialised(rank, world_size, shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers import layouts
+
+    with torch.device("meta"):
+        model = Llama(shape)
+    layouts.apply_fsdp(model, init_device_mesh("cpu", (world_size,)))  # CPU on purpose
+    model.to_empty(device="cpu")  # CPU on purpose; and no values given after it
+    return model
+
+
+def blocks_sharded_alone(rank, world_size, shape):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = Llama(shape)
+    mesh = init_device_mesh("cpu", (world_size,))  # CPU on purpose
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)  # the root, with the embedding and the head, forgotten
+    model.to_empty(device="cpu")  # CPU on purpose
+    return init_weights(model)
+
+
+def test_the_meta_checker_says_which_mistake_left_weights_uninitialised_or_whole():
+    text = expect_rejection("meta_built", never_initialised, "the weights, gathered")
+    assert "the final norm's weight is not all ones" in text
+    text = expect_rejection("meta_built", blocks_sharded_alone,
+                            "pieces, but tok_embeddings.weight, norm.weight, output.weight whole")
+    assert "which module holds the ones left whole?" in text

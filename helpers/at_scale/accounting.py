@@ -63,7 +63,8 @@ class Plan:
                 f"{self.seq_len} tokens{', bf16' if self.bf16 else ''}")
 
     def check(self, shape) -> None:
-        """Raises ValueError, before anything runs, where the layout cannot hold `shape`."""
+        """Raises ValueError, before anything runs, where the layout's degrees do not divide
+        `shape` (its heads, its vocabulary, its sequence)."""
         if min(self.dp, self.tp, self.replicate, self.micro_batch, self.seq_len) < 1:
             raise ValueError(f"{self}: every degree and size is at least 1")
         if self.recompute not in RECOMPUTE:
@@ -215,10 +216,10 @@ def shapes_apart():
     step DTensor borrows the step's own mode, so the tracker counts them as the step's. Under
     loss_parallel that is every call (a fake mode makes `_are_we_tracing()` true, so the
     shapes are never cached): `nll_loss_backward` on the whole vocabulary's logits, two float32
-    tensors each 2t times this rank's logits, where the real rank keeps three of its own size:
-    (2t - 3) of them too many. Inside this context DTensor is given a fake mode of its own, as
-    on a real rank, and fake = real (tests/test_at_scale.py). It replaces a name in a private
-    module of PyTorch's: a later PyTorch may need another way."""
+    tensors each t times this rank's logits, where the real rank's temporaries are three of its
+    own size: (2t - 3) of them too many. Inside this context DTensor is given a fake mode of its
+    own, as on a real rank, and fake = real (tests/test_at_scale.py). It replaces a name in a
+    private module of PyTorch's: a later PyTorch may need another way."""
     from torch.distributed.tensor import _sharding_prop
 
     detect = _sharding_prop.detect_fake_mode

@@ -70,16 +70,16 @@ class Verdict:
 
 def fits(shape, plan: Plan, memory: float, timeout: float = 600) -> Verdict:
     """Run one step of `plan` on fake ranks and say whether its peak fits in `memory` bytes, and
-    how fast it would run. Raises ValueError before anything runs if the layout cannot hold the
-    model."""
+    how fast it would run. Raises ValueError before anything runs if the layout's degrees do not
+    divide the model (Plan.check)."""
     found = fake_step(shape, plan, timeout)
     return verdict(shape, plan, found["peak"]["Total"], found["sent"], memory)
 
 
 def fake_step(shape, plan: Plan, timeout: float = 600) -> dict:
     """accounting.account_worker's {"peak", "calls", "sent"} for one step of `plan` on fake ranks,
-    in a process of its own. Raises ValueError before anything runs if the layout cannot hold
-    the model."""
+    in a process of its own. Raises ValueError before anything runs if the layout's degrees do
+    not divide the model (Plan.check)."""
     from helpers.launcher import run
 
     plan.check(shape)
@@ -107,18 +107,30 @@ def recorded(model: str, plan: Plan) -> dict:
     return found[model, plan]
 
 
-def ratios() -> list:
-    """[(published run, its reserved memory / the fake run's peak)] for each of torchtitan's runs
-    (helpers.published.TORCHTITAN_RUNS; a fake run sees neither torch.compile nor Float8, which
-    lowered the reserved memory where Table 1 shows them)."""
-    return [(run, run.memory_gib * GiB / recorded(run.model, published_plan(run))["peak"]["Total"])
+def against_published() -> list:
+    """[(published run, the fake run's peak, what the GPUs reserved), in bytes] for each of
+    torchtitan's runs (helpers.published.TORCHTITAN_RUNS; a fake run sees neither torch.compile
+    nor Float8, which lowered the reserved memory where Table 1 shows them)."""
+    return [(run, recorded(run.model, published_plan(run))["peak"]["Total"], run.memory_gib * GiB)
             for run in TORCHTITAN_RUNS]
 
 
 def reserved_ratio() -> float:
-    """The most a published run reserved, per byte of its fake peak: a plan whose fake peak times
-    this fits the memory would have fitted every one of them."""
-    return max(ratio for _, ratio in ratios())
+    """The most a published run reserved, per byte of its fake peak."""
+    return max(reserved / fake for _, fake, reserved in against_published())
+
+
+def reserved_excess() -> float:
+    """The most bytes a published run reserved beyond its fake peak."""
+    return max(reserved - fake for _, fake, reserved in against_published())
+
+
+def reserved(peak: float) -> float:
+    """What a GPU would reserve for a step whose fake peak is `peak` bytes, read from the published
+    runs two ways: as a share of the peak (reserved_ratio) and as a fixed amount beyond it
+    (reserved_excess). A handful of runs cannot tell the readings apart, and they part for a
+    peak far from theirs: the larger of the two, which each of those runs would have fitted."""
+    return max(peak * reserved_ratio(), peak + reserved_excess())
 
 
 @functools.cache
@@ -135,6 +147,9 @@ def efficiency() -> float:
 
 
 QUESTION = {"model": "Llama 3 8B", "gpus": 8, "sequences": 8, "seq_len": 8192}
+# The exercise's second question: the same tokens a GPU, on two hosts of 8 GPUs (its own sweep)
+QUESTION_16 = {"model": "Llama 3 8B", "gpus": 16, "sequences": 16, "seq_len": 8192}
+SWEEPS = {SWEEP: QUESTION, os.path.join(os.path.dirname(__file__), "sweep_8b_16.json"): QUESTION_16}
 
 
 def candidates(gpus: int = QUESTION["gpus"], sequences: int = QUESTION["sequences"],
@@ -159,13 +174,18 @@ def load_sweep(path: str = SWEEP) -> list:
     return [(Plan(**row["plan"]), row["peak"], row["sent"]) for row in rows]
 
 
-def sweep_verdicts(memory_gib: float) -> list:
-    """A Verdict for each layout of the committed sweep, on GPUs of `memory_gib` GiB."""
+def sweep_path(question: dict = QUESTION) -> str:
+    """The committed sweep of `question` (one of SWEEPS')."""
+    return next(path for path, swept in SWEEPS.items() if swept == question)
+
+
+def sweep_verdicts(memory_gib: float, question: dict = QUESTION) -> list:
+    """A Verdict for each layout of `question`'s committed sweep, on GPUs of `memory_gib` GiB."""
     from helpers.composing.strategy import MODELS
 
-    shape = MODELS[QUESTION["model"]]
+    shape = MODELS[question["model"]]
     return [verdict(shape, plan, peak, sent, memory_gib * GiB)
-            for plan, peak, sent in load_sweep()]
+            for plan, peak, sent in load_sweep(sweep_path(question))]
 
 
 # Real sizes, run by `python -m helpers.at_scale.fits sizes` and committed (AT_SIZE_RUNS):
@@ -211,35 +231,37 @@ def load_at_size(path: str = AT_SIZE_RUNS) -> list:
 
 
 def main(what: str = "sweep", again: bool = False) -> None:
-    """Write SWEEP (what="sweep") or AT_SIZE_RUNS ("sizes"); for the latter, runs already
-    recorded for the same model and plan are kept unless `again`."""
+    """Write every sweep of SWEEPS (what="sweep") or AT_SIZE_RUNS ("sizes"); the runs a file
+    already records for the same model and plan are kept, unless `again`."""
     import torch
 
     from helpers.composing.strategy import MODELS
 
-    jobs = ([(QUESTION["model"], plan) for plan in candidates()] if what == "sweep"
-            else AT_SIZE)
-    kept = ({} if again or what == "sweep" or not os.path.exists(AT_SIZE_RUNS)
-            else {(model, plan): found for model, plan, found in load_at_size()})
-    runs = []
-    for done, (model, plan) in enumerate(jobs, start=1):
-        if what == "sweep":
-            found = fake_step(MODELS[model], plan)
+    files = ({path: [(question["model"], plan) for plan in candidates(
+        question["gpus"], question["sequences"], question["seq_len"])]
+        for path, question in SWEEPS.items()} if what == "sweep" else {AT_SIZE_RUNS: AT_SIZE})
+    for path, jobs in files.items():
+        kept = {}
+        if os.path.exists(path) and not again:
+            kept = ({(model, plan): found for model, plan, found in load_at_size(path)}
+                    if what == "sizes" else {(jobs[0][0], plan): {"peak": {"Total": peak},
+                                                                  "sent": sent}
+                                             for plan, peak, sent in load_sweep(path)})
+        runs = []
+        for done, (model, plan) in enumerate(jobs, start=1):
+            found = kept.get((model, plan)) or (at_size(model, plan) if what == "sizes"
+                                                else fake_step(MODELS[model], plan))
             peak = found["peak"]["Total"]
-            runs.append({"plan": asdict(plan), "peak": peak, "sent": found["sent"]})
-        else:
-            found = kept.get((model, plan)) or at_size(model, plan)
-            runs.append({"model": model, "plan": asdict(plan), "found": found})
-            peak = found["peak"]["Total"]
-        bar = "#" * done + "." * (len(jobs) - done)
-        print(f"[{bar}] {done}/{len(jobs)} {model}, {plan}: {peak / GiB:.1f} GiB", flush=True)
-    path = SWEEP if what == "sweep" else AT_SIZE_RUNS
-    with open(path, "w") as file:
-        json.dump({"made_by": f"python -m helpers.at_scale.fits {what}",
-                   "torch": torch.__version__, "fake_ranks": True,
-                   **({"question": QUESTION} if what == "sweep" else {}), "runs": runs},
-                  file, indent=1)
-    print(f"wrote {len(runs)} runs to {path}")
+            runs.append({"model": model, "plan": asdict(plan), "found": found} if what == "sizes"
+                        else {"plan": asdict(plan), "peak": peak, "sent": found["sent"]})
+            bar = "#" * done + "." * (len(jobs) - done)
+            print(f"[{bar}] {done}/{len(jobs)} {model}, {plan}: {peak / GiB:.1f} GiB", flush=True)
+        with open(path, "w") as file:
+            json.dump({"made_by": f"python -m helpers.at_scale.fits {what}",
+                       "torch": torch.__version__, "fake_ranks": True,
+                       **({"question": SWEEPS[path]} if what == "sweep" else {}), "runs": runs},
+                      file, indent=1)
+        print(f"wrote {len(runs)} runs to {path}")
 
 
 if __name__ == "__main__":

@@ -31,9 +31,14 @@ def by_kind(peak: dict) -> dict:
             "FSDP buffers": peak.get("All Gather", 0) + peak.get("Reduce Scatter", 0)}
 
 
-def plot_beside(bars: dict, memory: float | None = None, title: str = ""):
-    """Horizontal stacked bars, one per source: bars = {label: {kind: bytes}}; a line at
-    `memory` (a GPU's bytes) if given."""
+# GPUs' memories the lesson draws: an H100 SXM's 80 GiB (lesson 10), and the 96 GB of torchtitan's
+# benchmark's H100s ("Each H100 GPU is equipped with 96GB HBM2e"), 89.4 GiB
+GPU_LINES = {"80 GiB (H100 SXM)": 80 * GiB, "96 GB (the benchmark's H100s)": 96e9}
+
+
+def plot_beside(bars: dict, memories: dict | None = None, title: str = ""):
+    """Horizontal stacked bars, one per source: bars = {label: {kind: bytes}}; a labelled line at
+    each of `memories` ({label: a GPU's bytes}) if given."""
     kinds = list(dict.fromkeys(kind for parts in bars.values() for kind in parts))
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * len(bars)))
     for row, parts in enumerate(reversed(list(bars.values()))):
@@ -49,8 +54,8 @@ def plot_beside(bars: dict, memory: float | None = None, title: str = ""):
                         fontsize=8, color="white")
             left += size
         ax.text(left + 0.5, row, f"{left:.1f} GiB", va="center", fontsize=9)
-    if memory:
-        ax.axvline(memory / GiB, color=GREY, linestyle="--")
+    for (label, memory), style in zip((memories or {}).items(), ("--", ":")):
+        ax.axvline(memory / GiB, color=GREY, linestyle=style, label=label)
     ax.set_yticks(range(len(bars)), list(reversed(list(bars))))
     ax.set_xlabel("GiB per GPU")
     handles, labels = ax.get_legend_handles_labels()
@@ -93,17 +98,19 @@ def itemised(fake: dict, projection: dict, left_out: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_fits(verdicts: dict, ratio: float, title: str = ""):
+def plot_fits(verdicts: dict, title: str = ""):
     """The sweep's layouts (rows: tensor-parallel degree; columns: recomputation), one panel per
-    GPU memory, verdicts = {memory: [fits.Verdict]}: green where a GPU holds the layout (its fake
-    peak times `ratio`, what the published runs reserved per byte of theirs, fits), amber where
-    only the fake peak fits, red where it does not; each cell with its peak and its estimated
-    tokens per second, the fastest green one framed."""
+    GPU memory, verdicts = {memory: [fits.Verdict]}: green where a GPU holds the layout (what it
+    would reserve for the fake peak, fits.reserved, fits), amber where only the fake peak fits,
+    red where it does not; each cell with its peak and its estimated tokens per second, the
+    fastest green one framed."""
+    from helpers.at_scale.fits import reserved
+
     first = next(iter(verdicts.values()))
     tps = sorted({verdict.plan.tp for verdict in first})
     fig, axes = plt.subplots(1, len(verdicts), figsize=(4.6 * len(verdicts), 3.4), squeeze=False)
     for ax, (memory, row) in zip(axes[0], verdicts.items()):
-        held = [verdict for verdict in row if verdict.peak * ratio <= memory]
+        held = [verdict for verdict in row if reserved(verdict.peak) <= memory]
         best = max(held, key=lambda verdict: verdict.step.tokens_per_second, default=None)
         for verdict in row:
             plan = verdict.plan
@@ -127,7 +134,7 @@ def plot_fits(verdicts: dict, ratio: float, title: str = ""):
         for side in ax.spines.values():
             side.set_visible(False)
     fig.suptitle(title, fontsize=10)
-    fig.legend(handles=[Patch(color="#4c9f70", label=f"a GPU holds it (fake peak x {ratio:.2f} "
+    fig.legend(handles=[Patch(color="#4c9f70", label="a GPU holds it (what it would reserve "
                                                      "fits)"),
                         Patch(color="#e0a030", label="only the fake peak fits"),
                         Patch(color="#c44e52", label="the fake peak does not fit"),
@@ -163,10 +170,10 @@ def plot_timeline(found: dict, title: str = ""):
             groups[-1][3] = end
         else:
             groups.append([narrow, [phase], start, end])
-    for narrow, phases, start, end in groups:
+    for narrow, phases, start, end in groups:  # a narrow group's label runs over its neighbour
         middle = (start + end) / 2
-        align = "right" if narrow and middle > 0.8 * len(rows) else "center"
-        ax.text(end if align == "right" else middle, max(total) * 1.06,
+        align = ("center" if not narrow else "right" if middle > 0.8 * len(rows) else "left")
+        ax.text({"center": middle, "right": end, "left": start}[align], max(total) * 1.06,
                 " + ".join(phases) if narrow else phases[0], ha=align, va="bottom", fontsize=8)
     peak = max(range(len(total)), key=total.__getitem__)
     ax.plot(peak, total[peak], "o", color="black")
@@ -223,9 +230,9 @@ def key_figure():
     """The lesson's key figure, from the committed sweep of fake runs (fits.SWEEP, which the
     tests run again in part): which layouts of Llama 3 8B a GPU of 80 or 48 GiB holds, and how
     fast each would run."""
-    from helpers.at_scale.fits import QUESTION, reserved_ratio, sweep_verdicts
+    from helpers.at_scale.fits import QUESTION, sweep_verdicts
 
-    return plot_fits({gib * GiB: sweep_verdicts(gib) for gib in (80, 48)}, reserved_ratio(),
+    return plot_fits({gib * GiB: sweep_verdicts(gib) for gib in (80, 48)},
                      f"{QUESTION['model']}, {QUESTION['sequences']} x {QUESTION['seq_len']} "
                      f"tokens a step on {QUESTION['gpus']} fake ranks: peak per GPU, and "
                      "tokens/s a GPU (estimated)")

@@ -54,7 +54,8 @@ class Hardware:
 # inter-connected with backend RDMA network with 400 Gb/s per GPU" (50e9 bytes/s). Its peak:
 # torchtitan's own for MFU, "for H100 SXM and other variants" 989e12 (torchtitan/utils.py at
 # 9dec370, get_peak_flops; the benchmark's footnote 2: "we use the peak number of SXM directly").
-# NVLink 4 between H100s: 450 GBps one way (S. Bekman, Machine Learning Engineering,
+# The link within a host, which the benchmark names only as NVLink: an H100 SXM's (the peak above
+# is the SXM's), NVLink 4, 450 GBps one way (S. Bekman, Machine Learning Engineering,
 # stas00/ml-engineering@744d01e, network/README.md, NVLink table; helpers.published).
 TORCHTITAN_H100 = Hardware("torchtitan's H100 hosts (8 GPUs on NVLink 4, 400 Gb/s RDMA a GPU)",
                            peak=989e12, inside=450e9, between=400e9 / 8, gpus_per_host=8)

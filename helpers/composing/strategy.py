@@ -30,7 +30,12 @@ on the first pipeline stage, which holds the embedding and keeps the most micro-
                    every other matrix product's output and the attention kernel's) a layer keeps
                    its input, the outputs of wq, wv, w1 and w2, and attention's output, 16-bit,
                    and its log-sum-exp in float32: 2 (4h + kv + ffn) + 4 heads bytes a token,
-                   the count lesson 13 checks against a fake run. With full recomputation a
+                   the count lesson 13 checks against a fake run. With tensor and sequence
+                   parallelism each is cut t ways but w2's output, a partial sum over every token
+                   before its reduce-scatter, and the policy keeps the two reduce-scatters'
+                   outputs too: 2 ((5h + kv + ffn)/t + h) + 4 heads/t bytes a token of the
+                   micro-batch (tests/test_at_scale.py checks both on fake ranks, in the course's
+                   layout, which is torchtitan's). With full recomputation a
                    layer keeps only its input, s/t tokens of it with sequence parallelism
                    (torchtitan's plan reduce-scatters each block's output to a shard of the tokens,
                    torchtitan@b5bcd76, torchtitan/models/llama3/sharding.py; Megatron-LM refuses
@@ -155,11 +160,15 @@ class Model(Shape):
         scores = self.heads * seq_len * element if attention == "math" else 0
         return widths * element + statistics + scores
 
-    def kept_by_op_policy(self, element: int = 2) -> float:
-        """Bytes one layer keeps for backward per token under torchtitan's op-level policy (the
-        module docstring): its input, the outputs of wq, wv, w1, w2 and attention, in `element`
-        bytes, and attention's log-sum-exp per head in float32."""
-        return (4 * self.dim + self.kv_dim + self.ffn) * element + FLOAT32 * self.heads
+    def kept_by_op_policy(self, element: int = 2, tp: int = 1) -> float:
+        """Bytes one layer keeps for backward per token of the micro-batch under torchtitan's
+        op-level policy (the module docstring): its input, the outputs of wq, wv, w1, w2 and
+        attention, in `element` bytes, and attention's log-sum-exp per head in float32; over
+        tp > 1, each cut tp ways but w2's output (whole before its reduce-scatter), and the two
+        reduce-scatters' outputs besides."""
+        d, kv, f = self.dim, self.kv_dim, self.ffn
+        widths = 4 * d + kv + f if tp == 1 else (5 * d + kv + f) / tp + d
+        return widths * element + FLOAT32 * self.heads / tp
 
     def kept_widths(self) -> dict:
         """The elements per token of each 16-bit tensor a Llama layer keeps for backward with a
@@ -225,8 +234,9 @@ def project(model: Model, layout: Layout, seq_len: int = 4096, micro_batch: int 
         activations = kept[attention] * layers * in_flight
     elif recomputation == "selective":  # attention's core recomputed: nothing s x s is kept
         activations = kept["flash"] * layers * in_flight
-    elif recomputation == "op":
-        activations = model.kept_by_op_policy(element) * tokens * layers * in_flight
+    elif recomputation == "op":  # per token of the micro-batch (the method says why)
+        activations = (model.kept_by_op_policy(element, layout.tp) * seq_len * micro_batch
+                       * layers * in_flight)
     else:  # each layer's input, s/t tokens of it, and one layer at a time while recomputed
         activations = tokens * model.dim * element * layers * in_flight + kept[attention]
     ring = (layout.dp - 1) / layout.dp * shard  # elements one ring pass sends
