@@ -144,6 +144,10 @@ def check(name: str, function, timeout: float | None = None) -> CheckResult:
     """Run `function` on every case of exercise `name` and say what differed, if anything.
     `timeout` (seconds per case) overrides the exercise's own."""
     exercise = _exercise(name)
+    if not callable(function):
+        return CheckResult(name, False, [
+            f"check() needs your function itself, got {type(function).__name__} {function!r}: "
+            f"pass the function's name, without calling it: check({name!r}, my_function)"])
     if timeout is not None:
         exercise = replace(exercise, timeout=timeout)
     for case in exercise.cases:
@@ -159,6 +163,9 @@ def check(name: str, function, timeout: float | None = None) -> CheckResult:
 
 
 def _check_case(exercise, function, case):
+    mismatch = _signature_problem(exercise, function, case)
+    if mismatch:
+        return mismatch
     if not exercise.distributed:
         given = exercise.inputs(*case) if exercise.inputs else case
         where = (f"the case {_labelled(exercise.expected, given)}" if exercise.harness
@@ -190,9 +197,44 @@ def _check_case(exercise, function, case):
         names = list(inspect.signature(exercise.expected).parameters)[2:]
         if len(names) == len(args):
             problem = [*problem, "The case: " + ", ".join(
-                f"{name}={value!r}" for name, value in zip(names, args)
-                if not isinstance(value, torch.Tensor)) + "."]
+                f"{name}={_described(value)}" for name, value in zip(names, args)) + "."]
     return problem
+
+
+def _described(value) -> str:
+    """A case's argument as the learner would write it; a tensor by its shape and dtype (its
+    values are in the message above, where they differ)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, {str(value.dtype).replace('torch.', '')}"
+    return repr(value)
+
+
+def _signature_problem(exercise, function, case) -> list | None:
+    """Where the learner's function cannot take the arguments the task calls it with, say so
+    before anything runs (a TypeError raised at the call itself shows no line of theirs). A
+    harness, or an exercise's own worker, calls the function its own way, and checks nothing
+    here."""
+    if exercise.harness is not None or type(exercise).worker is not Exercise.worker:
+        return None
+    if exercise.distributed:
+        world_size, args = case
+        given = (0, world_size, *(exercise.inputs(0, world_size, *args) if exercise.inputs
+                                  else args))
+    else:
+        given = exercise.inputs(*case) if exercise.inputs else case
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a callable without one (a builtin): let the call say
+        return None
+    try:
+        signature.bind(*given)
+    except TypeError as error:
+        names = list(inspect.signature(exercise.expected).parameters)
+        called = ", ".join(names) if len(names) == len(given) else f"{len(given)} arguments"
+        return [f"Your function cannot be called as the task calls it, with ({called}): "
+                f"{getattr(function, '__name__', 'it')}{signature} says: {error}.",
+                f"The task: {exercise.task}."]
+    return None
 
 
 def _learners_traceback(error, exercise) -> list:

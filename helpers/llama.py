@@ -9,6 +9,7 @@ projection's count.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -148,6 +149,7 @@ def kept_by_block(shape: Shape, batch: int, seq_len: int, dtype=torch.bfloat16) 
     return saved_bytes_by_kind(saved)
 
 
+@functools.cache  # (a meta model is built to count: the step-time model asks often)
 def flops_per_token(shape: Shape, seq_len: int) -> int:
     """torchtitan's count of a Llama's FLOPs per token, forward and backward
     (get_num_flop_per_token, pytorch/torchtitan@9dec370, torchtitan/utils.py): 6 x the

@@ -107,3 +107,29 @@ def test_a_message_shown_as_html_is_cut_to_the_width_of_a_slide():
     assert body.split() == repr(result).replace("x" * 250, " ".join(
         ["x" * 100, "x" * 96, "x" * 54])).split()  # the long word cut, with the indent's width
     assert '  File "mine.py", line 3, in f' in body.split("\n")
+
+
+def _gives_back_zeros(rank, world_size, tensor):
+    return torch.zeros_like(tensor)
+
+
+def test_a_case_of_tensors_alone_is_named_by_their_shapes():
+    text = repr(exercises.check("broadcast_from_p2p", _gives_back_zeros))
+    shape = tuple(exercises.exercises()["broadcast_from_p2p"].cases[0][1][0].shape)
+    assert text.endswith(f"The case: tensor=a tensor of shape {shape}, float32."), text
+
+
+def _takes_too_few(rank, world_size):
+    return rank
+
+
+def test_a_function_of_the_wrong_signature_is_named_before_any_rank_starts():
+    text = repr(exercises.check("broadcast_from_p2p", _takes_too_few))
+    assert text.startswith("[NOT YET] broadcast_from_p2p\nYour function cannot be called as the "
+                           "task calls it, with (rank, n, tensor): _takes_too_few(rank, "
+                           "world_size) says: too many positional arguments."), text
+
+
+def test_something_that_is_no_function_is_named_before_any_rank_starts():
+    text = repr(exercises.check("broadcast_from_p2p", _takes_too_few(0, 1)))
+    assert "check() needs your function itself, got int 0" in text, text

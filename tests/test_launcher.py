@@ -16,6 +16,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import traceback
 
 import psutil
 import pytest
@@ -28,8 +29,10 @@ from workers import (
     environment_worker,
     grad_worker,
     kwargs_worker,
+    long_error_worker,
     printing_worker,
     raise_on_rank,
+    recv_first_worker,
     send_first_worker,
     spin_worker,
     unpicklable_result_worker,
@@ -168,6 +171,111 @@ def test_send_send_deadlock_ends_at_the_timeout_naming_the_call():
         assert where.startswith(
             "blocked in torch.distributed.send(), called from send_first_worker")
         assert f'workers.py", line {line}: dist.send(tensor, dst=1 - rank)' in where
+
+
+def _hogs(count: int) -> list:
+    """Processes that keep the cores busy: a loaded machine, as a lecture hall's laptop runs a
+    browser and a server beside the kernel."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def _both_recv_located(timeout):
+    hogs = _hogs(2)
+    try:
+        with pytest.raises(WorkerTimeout) as caught:
+            run(recv_first_worker, 2, timeout=timeout, show_output=False)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    line = recv_first_worker.__code__.co_firstlineno + 2
+    for rank in range(2):
+        where = caught.value.where[rank]
+        assert where.startswith("blocked in torch.distributed.recv(), called from "
+                                "recv_first_worker"), caught.value
+        assert f'workers.py", line {line}: dist.recv(tensor, src=1 - rank)' in where
+
+
+def test_a_deadlock_on_a_loaded_machine_is_located_on_every_rank():
+    """The launcher's timeout ends a hang before the group's own (rank.group_timeout), which
+    would end the rank that reached its call first and name no other."""
+    _both_recv_located(timeout=3)
+
+
+@pytest.mark.soak  # a minute: run()'s default timeout
+def test_a_deadlock_with_the_default_timeout_on_a_loaded_machine_is_located_on_every_rank():
+    import inspect
+
+    _both_recv_located(timeout=inspect.signature(run).parameters["timeout"].default)
+
+
+def test_a_ranks_error_is_raised_with_no_launcher_frame_under_the_call():
+    with pytest.raises(WorkerError) as caught:
+        run(raise_on_rank, 2, args=(1,), show_output=False)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert [(os.path.basename(frame.filename), frame.name) for frame in frames] == [
+        ("test_launcher.py", "test_a_ranks_error_is_raised_with_no_launcher_frame_under_the_call"),
+        ("launch.py", "run")]
+
+
+def test_a_long_error_message_is_shown_once():
+    with pytest.raises(WorkerError) as caught:
+        run(long_error_worker, 2, show_output=False)
+    text = str(caught.value)
+    assert text.startswith("rank 1 raised RuntimeError: the first line of a long error (the "
+                           "whole message is at the end of the traceback)\n"), text
+    assert text.count("x" * 5000) == 1
+
+
+def test_ranks_end_with_a_kernel_killed_under_them():
+    """A kernel killed (SIGKILL: no finally, no atexit) while its ranks sleep: its forkserver
+    ends, and the ranks with it (rank.py's _die_with_the_pool), not at their timeout."""
+    code = textwrap.dedent(
+        """
+        import time
+        from helpers import run
+
+        def sleeper(rank, world_size):
+            time.sleep(600)
+
+        run(sleeper, 2, timeout=600)
+        """
+    )
+    kernel = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        ranks = []
+        while time.monotonic() < deadline and len(ranks) < 2:  # the forkserver's children
+            time.sleep(0.2)
+            ranks = [child for child in psutil.Process(kernel.pid).children(recursive=True)
+                     if child.ppid() != kernel.pid]
+        assert len(ranks) >= 2, "the ranks did not start"
+    finally:
+        kernel.kill()
+        kernel.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=20)
+    assert alive == [], alive
+
+
+def test_a_new_pool_removes_the_forkserver_folders_that_killed_kernels_left(tmp_path, monkeypatch):
+    from helpers.launcher.pool import remove_stale_forkserver_folders
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    left, live, other = (tmp_path / name for name in ("pymp-left", "pymp-live", "pymp-other"))
+    for folder in (left, live, other):
+        folder.mkdir()
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(left / "listener-1"))
+    dead.close()  # the socket file stays, held by no process: a killed kernel's
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(live / "listener-2"))
+    listening.listen()
+    (other / "notes").write_text("not a socket")
+    try:
+        assert remove_stale_forkserver_folders() == [str(left)]
+        assert not left.exists() and live.exists() and other.exists()
+    finally:
+        listening.close()
 
 
 def test_timeout_in_plain_python_code_reports_the_line():

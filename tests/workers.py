@@ -130,3 +130,13 @@ def leave_group_initialised(rank, world_size):
 def too_few_processes(rank, world_size_claimed):
     """Claims a bigger world than was started: the rendezvous waits for ranks that never come."""
     setup(rank, world_size_claimed)
+
+
+def recv_first_worker(rank, world_size):
+    tensor = torch.zeros(4)
+    dist.recv(tensor, src=1 - rank)  # both ranks receive first: lesson 02's classic deadlock
+
+
+def long_error_worker(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("the first line of a long error\n" + "x" * 5000)

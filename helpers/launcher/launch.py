@@ -85,9 +85,14 @@ def run(
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _warn_ignored_under_torchrun(world_size, show_output, env, threads_per_rank)
         return run_in_place(fn, args, kwargs or {}, backend, timeout)
-    return _launch(fn, world_size, args, kwargs, timeout, backend, init_group=init_group,
-                   pass_world_size=True, start_method=start_method,
-                   threads_per_rank=threads_per_rank, show_output=show_output, env=env)
+    try:
+        return _launch(fn, world_size, args, kwargs, timeout, backend, init_group=init_group,
+                       pass_world_size=True, start_method=start_method,
+                       threads_per_rank=threads_per_rank, show_output=show_output, env=env)
+    except (WorkerError, WorkerTimeout) as failure:
+        # A rank failed, or the ranks hung: raised here, with none of the launcher's frames
+        # under this call, so that what follows the learner's own line is the rank's report.
+        raise failure.with_traceback(None) from None
 
 
 SPAWN_LOCK = os.path.join(tempfile.gettempdir(), "helpers-spawn.lock")
@@ -124,9 +129,12 @@ def spawn(
     # two launches at once, from two notebooks or two test workers, would collide on it. So
     # spawn()'s launches take turns on this machine.
     with filelock.FileLock(SPAWN_LOCK):
-        return _launch(fn, nprocs, args, None, timeout, None, init_group=False,
-                       pass_world_size=False, start_method=start_method, threads_per_rank=None,
-                       show_output=show_output, env=env)
+        try:
+            return _launch(fn, nprocs, args, None, timeout, None, init_group=False,
+                           pass_world_size=False, start_method=start_method,
+                           threads_per_rank=None, show_output=show_output, env=env)
+        except (WorkerError, WorkerTimeout) as failure:
+            raise failure.with_traceback(None) from None  # (run's comment says why)
 
 
 def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_world_size,

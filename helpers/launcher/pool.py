@@ -8,10 +8,16 @@ two imports run side by side on two cores.
 from __future__ import annotations
 
 import contextlib
+import glob
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import shutil
+import stat
 import sys
+import tempfile
 import threading
+import time
 
 # Imported once by the forkserver, so that no rank pays for them: torch, the parallelism modules
 # of lessons 06-10 (together about 1.5 s more on one core; a rank importing them after the fork
@@ -53,6 +59,7 @@ def warm_up(in_background: bool = False, only_in_a_kernel: bool = False) -> None
 
 
 def _start_forkserver(indicator) -> None:
+    remove_stale_forkserver_folders()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)
     try:
@@ -67,6 +74,43 @@ def _start_forkserver(indicator) -> None:
 
 def _exit_at_once():
     pass
+
+
+STALE_EMPTY_S = 3600  # an empty folder this old is no process's about to be filled
+
+
+def remove_stale_forkserver_folders() -> list:
+    """Remove the forkserver folders that kernels before this one left, and return their paths.
+
+    multiprocessing keeps the forkserver's socket in a folder of its own (tempdir/pymp-*) and
+    removes it in Python's atexit, which a Jupyter kernel's shutdown never reaches (its kernel
+    manager ends it first). A folder is stale when it is this user's and holds nothing but
+    sockets that no process holds open (Linux lists those in /proc/net/unix), or nothing at all
+    for an hour: a live forkserver's is never touched, nor even connected to. Elsewhere than
+    Linux nothing is removed. Each new pool cleans up after the old ones."""
+    try:
+        with open("/proc/net/unix") as table:
+            open_sockets = {line.split()[-1] for line in table.readlines()[1:]
+                            if len(line.split()) > 7}
+    except OSError:
+        return []
+    removed = []
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "pymp-*")):
+        try:
+            if os.stat(folder).st_uid != os.getuid():
+                continue
+            paths = [os.path.join(folder, name) for name in os.listdir(folder)]
+            if not paths:
+                stale = time.time() - os.stat(folder).st_mtime > STALE_EMPTY_S
+            else:
+                stale = all(stat.S_ISSOCK(os.lstat(path).st_mode) and path not in open_sockets
+                            for path in paths)
+            if stale:
+                shutil.rmtree(folder)
+                removed.append(folder)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return removed
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ leaves with `os._exit`:
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import os
@@ -26,6 +27,15 @@ import torch.distributed as dist
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 FINISH_WAIT_S = 1.0
+
+
+def group_timeout(timeout_s: float) -> timedelta:
+    """The process group's (and its store's) own timeout, well past the launcher's. The
+    launcher's counts from the launch and reports where every rank waits; a collective's, started
+    when a rank reaches the call, would end that rank alone, with its own line, and the report
+    would name no other: the launcher's must end a hang first, every time, on a loaded machine
+    too. (Under torchrun no launcher watches: run_in_place keeps the timeout it is given.)"""
+    return timedelta(seconds=2 * timeout_s + 30)
 
 
 @dataclass
@@ -90,6 +100,7 @@ def rank_main(rank: int, job: Job, result_conn) -> None:
     """One rank's life, from rank_entry: output captured, the group joined, the worker run, one
     message sent, and out."""
     os.setpgrp()  # own process group: the parent can kill this rank and anything it started
+    _die_with_the_pool()
     _capture_output(job.out_dir, rank)
     os.environ.clear()
     os.environ.update(job.environ)
@@ -197,6 +208,31 @@ def _send_and_exit(result_conn, message) -> None:
         _exit()
 
 
+def _die_with_the_pool() -> None:
+    """End this rank when the process it was forked from ends: a kernel killed with its ranks
+    running must not leave them running on, nor waiting in a collective until the group's
+    timeout. The pool's forkserver ends once no process holds the write end of its life line, a
+    pipe whose other end it watches: the kernel holds it, and multiprocessing hands every process
+    it forks a copy (for processes of its own, which a rank starts otherwise). This rank closes
+    its copy, so the forkserver ends with the kernel, and asks Linux to end the rank with the
+    forkserver (PR_SET_PDEATHSIG; elsewhere, only the copy is closed)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it ended before the call
+        os._exit(1)
+
+
 def _capture_output(out_dir: str, rank: int) -> None:
     """Send fd 1 and 2 (Python prints and C++ logs alike) to this rank's file; arm the stack
     dump."""
@@ -218,7 +254,7 @@ def _init_process_group(rank: int, job: Job) -> None:
     peer as ::ffff:127.0.0.1, which /etc/hosts does not list), and when that DNS query goes
     unanswered the resolver waits 5 s. A file needs no port, no DNS and no network interface.
     """
-    timeout = timedelta(seconds=job.timeout_s)
+    timeout = group_timeout(job.timeout_s)
     store = dist.FileStore(store_path(job.out_dir, job.attempt), job.world_size)
     store.set_timeout(timeout)
     device_id = None

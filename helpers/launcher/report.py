@@ -68,7 +68,7 @@ class WorkerError(RuntimeError):
             rank = _root_cause(errors)
             type_name, message = errors[rank].type_name, stable_message(errors[rank].message)
             traceback_text = format_traceback(errors[rank].frames, type_name, message, rank)
-            head = f"rank {rank} raised {type_name}: {message}"
+            head = f"rank {rank} raised {type_name}: {headline(message)}"
         others = {r: _death(code) for r, code in died.items() if r != rank}
         others.update({r: f"{e.type_name}: {tidy_message(e.message)}"
                        for r, e in errors.items() if r != rank})
@@ -81,6 +81,18 @@ class WorkerError(RuntimeError):
             lines += [f"{_ranks(finished)} had finished."]
         lines += [f"Hint: {hint}" for pattern, hint in HINTS if pattern in message]
         return cls(rank, type_name, message, traceback_text, others, "\n".join(lines))
+
+
+HEADLINE_CHARACTERS = 200
+
+
+def headline(message: str) -> str:
+    """A message's first line, cut to HEADLINE_CHARACTERS: the error's first line names it, and
+    the traceback below ends with the whole message (a torch error can run to pages; once is
+    enough)."""
+    first = message.split("\n", 1)[0]
+    cut = first if len(first) <= HEADLINE_CHARACTERS else first[:HEADLINE_CHARACTERS] + " ..."
+    return cut + (" (the whole message is at the end of the traceback)" if cut != message else "")
 
 
 # What a message means, for errors whose cause is not in their words: (text in the message, hint).
