@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -240,6 +241,56 @@ def test_ctrl_c_saves_where_it_stopped_and_the_same_command_goes_on(tmp_path):
                                         if step > last}
     steps, _ = job.records(str(tmp_path))  # both attempts' steps, as a plot reads them
     assert {step: record["loss"] for step, record in steps.items()} == whole.losses()
+
+
+# --- make train (python -m helpers.capstone) tells the truth ------------------------------------
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_train(directory, *options, **popen):
+    """`make train`'s command on `directory`, a warmup of one step (so that a few steps make a
+    schedule)."""
+    command = [sys.executable, "-m", "helpers.capstone", "--directory", str(directory),
+               "--warmup", "1", *options]
+    if popen:
+        return subprocess.Popen(command, cwd=REPOSITORY, text=True, **popen)
+    return subprocess.run(command, cwd=REPOSITORY, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.soak  # short runs of make train's recipe under torchrun
+@pytest.mark.parametrize("before", ["nothing", "a finished run"])
+def test_make_train_with_a_rank_killed_says_so_and_exits_non_zero(tmp_path, before):
+    """Whatever the directory held: a finished run's final.pt once made it print a sample and
+    exit 0."""
+    if before == "a finished run":
+        finished = make_train(tmp_path, "--steps", "3")
+        assert finished.returncode == 0, finished.stderr
+        assert "what the model writes" in finished.stdout
+        assert "torch.distributed is disabled" not in finished.stderr
+    failed = make_train(tmp_path, "--steps", "6", "--kill-rank", "3", "--kill-after", "4")
+    assert failed.returncode not in (0, None)
+    assert "what the model writes" not in failed.stdout
+    assert "the run did not finish: rank 3 failed" in failed.stderr
+    assert ("its newest checkpoint is step 3" if before == "a finished run"
+            else "no checkpoint in") in failed.stderr
+
+
+@pytest.mark.soak
+def test_make_train_stopped_by_ctrl_c_says_where_without_a_traceback(tmp_path):
+    process = make_train(tmp_path, "--steps", "40", start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    events = tmp_path / "events.rank0.jsonl"
+    for _ in range(1200):  # until rank 0 has trained a step (at most 60 s)
+        if events.exists() and '"event": "step"' in events.read_text():
+            break
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 130, stderr
+    step = latest_checkpoint(str(tmp_path))[1]
+    assert f"stopped by Ctrl-C; its newest checkpoint is step {step}" in stderr
+    assert "Traceback" not in stderr and "SignalException" not in stderr
 
 
 # --- the global norm exercise rejects typical mistakes ------------------------------------------

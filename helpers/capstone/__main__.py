@@ -3,6 +3,10 @@
     python -m helpers.capstone                  train (or go on training) in runs/capstone
     python -m helpers.capstone --fresh          start again from the first step
     python -m helpers.capstone --steps 1200     a longer run (a new schedule: use --fresh)
+    python -m helpers.capstone --kill-rank 3 --kill-after 5    a rank killed: the run fails
+
+A run that does not finish says why and how to go on, and exits non-zero: 130 after Ctrl-C,
+torchrun's code after a failure.
 
 4 ranks on this machine (dp 2 x tp 2), the recipe of `TRAINED` below: about 10 minutes on 2 CPU
 cores. A progress line shows the step, the loss, the validation loss and the time left. Ctrl-C
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,29 +47,30 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--directory", default=DIRECTORY)
     parser.add_argument("--steps", type=int, default=TRAINED.steps)
+    parser.add_argument("--warmup", type=int, default=TRAINED.warmup,
+                        help="steps of the learning rate's linear warmup")
     parser.add_argument("--fresh", action="store_true", help="remove the run's checkpoints first")
     parser.add_argument("--record", action="store_true", help="write the finished run's record "
                         "to helpers/capstone/trained.json (what README and the key figure show)")
+    parser.add_argument("--kill-rank", type=int, help="a failure, made to happen: this rank is "
+                        "killed (SIGKILL) after step --kill-after")
+    parser.add_argument("--kill-after", type=int)
     options = parser.parse_args(argv)
-    config = dataclasses.replace(TRAINED, steps=options.steps)
+    config = dataclasses.replace(TRAINED, steps=options.steps, warmup=options.warmup)
     config.check()
     if options.fresh and os.path.isdir(options.directory):
         shutil.rmtree(options.directory)
     os.makedirs(options.directory, exist_ok=True)
+    kill = ([] if options.kill_rank is None else
+            ["--kill-rank", str(options.kill_rank), "--kill-after", str(options.kill_after)])
     command = torchrun_command("helpers.capstone.job",
-                               [options.directory, *arguments_for(config), "--progress"],
+                               [options.directory, *arguments_for(config), "--progress", *kill],
                                options.directory, nproc=config.ranks, max_restarts=0)
     environment = {**torchrun_environment(), "LOGLEVEL": "WARNING"}  # the progress line only
-    # Ctrl-C reaches this process and torchrun (its workers run in sessions of their own);
-    # torchrun's agent sends it on to every worker, which saves and leaves (job.py). This one
-    # waits for them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    returncode = subprocess.run(command, env=environment).returncode
+    returncode, interrupted, failed = run_torchrun(command, environment)
+    if returncode != 0:
+        return said_why(returncode, interrupted, failed, options.directory)
     final = os.path.join(options.directory, FINAL_FILE)
-    if not os.path.exists(final):
-        print(f"torchrun ended with exit code {returncode} and no result in {final}",
-              file=sys.stderr)
-        return returncode or 1
     config = torch.load(final, weights_only=False).config
     steps, validation = records(options.directory)
     text = finish(config, steps, validation, options.directory)
@@ -74,6 +80,54 @@ def main(argv=None) -> int:
             return 1
         record(config, steps, validation, text)
     return 0
+
+
+def run_torchrun(command: list, environment: dict) -> tuple:
+    """Run torchrun and return (its exit code, whether Ctrl-C stopped it, the rank torchrun names
+    as the root cause of a failure or None). Ctrl-C reaches this process and torchrun (its
+    workers run in sessions of their own); torchrun's agent sends it on to every worker, which
+    saves and leaves (job.py), and this one waits for them. The agent then raises
+    SignalException, whose traceback says nothing after a Ctrl-C: it is left out, and every other
+    line of torchrun's own goes through."""
+    interrupted = []
+    signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    process = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True,
+                               bufsize=1)
+    failed, held, root_cause = None, [], False  # a traceback held until its last line
+    for line in process.stderr:
+        root_cause = root_cause or line.startswith("Root Cause")  # torchrun's failure report
+        rank = re.match(r"\s*rank\s*:\s*(\d+)", line)
+        if root_cause and rank and failed is None:
+            failed = int(rank.group(1))
+        if held or line.startswith("Traceback (most recent call last)"):
+            held.append(line)
+            if line[:1].strip() and not line.startswith("Traceback"):  # the exception's line
+                if not (interrupted and "SignalException" in line):
+                    sys.stderr.writelines(held)
+                held = []
+            continue
+        sys.stderr.write(line)
+    sys.stderr.writelines(held)
+    return process.wait(), bool(interrupted), failed
+
+
+def said_why(returncode: int, interrupted: bool, failed, directory) -> int:
+    """What a run that did not finish says, and the exit code `make train` ends with: 130
+    after Ctrl-C (a shell's code for SIGINT), else torchrun's, never 0."""
+    from helpers.checkpoints_and_failures.resume import latest_checkpoint
+
+    path, step = latest_checkpoint(directory)
+    go_on = (f"its newest checkpoint is step {step}, in {directory}: `make train` goes on from "
+             "it" if path is not None else f"no checkpoint in {directory} yet: `make train` "
+             "starts from the first step")
+    if interrupted:
+        print(f"\nstopped by Ctrl-C; {go_on}.", file=sys.stderr)
+        return 130
+    who = f"rank {failed} failed (torchrun's report is above)" if failed is not None else (
+        "torchrun failed (its report is above)")
+    print(f"\nthe run did not finish: {who}, and torchrun ended with exit code {returncode}; "
+          f"{go_on} (`make train ARGS=--fresh` starts over).", file=sys.stderr)
+    return returncode if returncode > 0 else 1
 
 
 def finish(config, steps: dict, validation: dict, directory) -> bytes:

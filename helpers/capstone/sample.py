@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -41,7 +43,9 @@ def weights_from_checkpoint(directory, config) -> dict:
         raise FileNotFoundError(f"no complete checkpoint in {directory}")
     model = Llama(config.shape, max_seq_len=config.seq_len)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # it says it assumes one process: this is one, on purpose
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
     return state["model"]
 
 
