@@ -211,6 +211,16 @@ def test_the_capstone_checker_rejects(mistake, says):
     expect_rejection("capstone", mistake, says)
 
 
+def until_a_step(directory, seconds: float = 60) -> None:
+    """Wait until rank 0 of a job in `directory` has trained a step (job.py's events)."""
+    events = directory / "events.rank0.jsonl"
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if events.exists() and '"event": "step"' in events.read_text():
+            return
+        time.sleep(0.05)
+
+
 # --- the torchrun job ---------------------------------------------------------------------------
 
 # The notebook's torchrun job (make test) is killed and resumes bit for bit; here, the other way
@@ -223,11 +233,7 @@ def test_ctrl_c_saves_where_it_stopped_and_the_same_command_goes_on(tmp_path):
                                str(tmp_path), nproc=4, max_restarts=0)
     process = subprocess.Popen(command, env=torchrun_environment(), start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    events = tmp_path / "events.rank0.jsonl"
-    for _ in range(600):  # until rank 0 has trained a step (at most 60 s)
-        if events.exists() and '"event": "step"' in events.read_text():
-            break
-        time.sleep(0.05)
+    until_a_step(tmp_path)
     os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C (torchrun sends it on)
     process.wait(timeout=60)
     stopped = torch.load(tmp_path / "final.pt", weights_only=False)
@@ -280,11 +286,7 @@ def test_make_train_with_a_rank_killed_says_so_and_exits_non_zero(tmp_path, befo
 def test_make_train_stopped_by_ctrl_c_says_where_without_a_traceback(tmp_path):
     process = make_train(tmp_path, "--steps", "40", start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    events = tmp_path / "events.rank0.jsonl"
-    for _ in range(1200):  # until rank 0 has trained a step (at most 60 s)
-        if events.exists() and '"event": "step"' in events.read_text():
-            break
-        time.sleep(0.05)
+    until_a_step(tmp_path)
     os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
     _, stderr = process.communicate(timeout=180)
     assert process.returncode == 130, stderr
