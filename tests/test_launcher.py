@@ -227,6 +227,7 @@ def test_a_long_error_message_is_shown_once():
     assert text.count("x" * 5000) == 1
 
 
+@pytest.mark.soak  # a kernel of its own, its pool and ranks started and killed: 10 s and more
 def test_ranks_end_with_a_kernel_killed_under_them():
     """A kernel killed (SIGKILL: no finally, no atexit) while its ranks sleep: its forkserver
     ends, and the ranks with it (rank.py's _die_with_the_pool), not at their timeout."""
