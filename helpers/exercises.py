@@ -18,6 +18,7 @@ import importlib
 import inspect
 import math
 import os
+import reprlib
 import shutil
 import tempfile
 import textwrap
@@ -146,7 +147,8 @@ def check(name: str, function, timeout: float | None = None) -> CheckResult:
     exercise = _exercise(name)
     if not callable(function):
         return CheckResult(name, False, [
-            f"check() needs your function itself, got {type(function).__name__} {function!r}: "
+            f"check() needs your function itself, got {type(function).__name__} "
+            f"{reprlib.repr(function)}: "
             f"pass the function's name, without calling it: check({name!r}, my_function)"])
     if timeout is not None:
         exercise = replace(exercise, timeout=timeout)

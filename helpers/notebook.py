@@ -71,7 +71,9 @@ class Creeping:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exception):
+    def __exit__(self, kind, value, traceback):
+        if kind is not None:
+            self.finished = f"{self.bar.label}: stopped"
         self.done()
 
 

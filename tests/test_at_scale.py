@@ -251,20 +251,26 @@ def test_a_plan_the_model_cannot_hold_is_refused_before_anything_runs():
         fits.fits(SHAPE, Plan(dp=2, recompute="selective"), memory=2**30)
 
 
-def test_the_sweep_is_every_candidate_of_the_question():
-    assert [plan for plan, _, _ in fits.load_sweep()] == fits.candidates()
+@pytest.mark.parametrize("question", [fits.QUESTION, fits.QUESTION_16], ids=["8", "16"])
+def test_the_sweep_is_every_candidate_of_the_question(question):
+    swept = fits.load_sweep(fits.sweep_path(question))
+    assert [plan for plan, _, _ in swept] == fits.candidates(question["gpus"],
+                                                             question["sequences"],
+                                                             question["seq_len"])
 
 
 # Two layouts, full recomputation, with tensor parallelism of 2 and of 8 (the notebook grows tp 2
 # with op-level recomputation from 2 and 3 blocks to the sweep's): a fake step is the same bytes on
 # any machine, so a sample stands for the file; `python -m helpers.at_scale.fits` writes it whole.
 @pytest.mark.soak
-@pytest.mark.parametrize("index", [5, 11])
-def test_the_committed_sweep_is_what_a_fake_run_gives(index):
+@pytest.mark.parametrize(("question", "index"),
+                         [(fits.QUESTION, 5), (fits.QUESTION, 11), (fits.QUESTION_16, 2)],
+                         ids=["8-5", "8-11", "16-2"])
+def test_the_committed_sweep_is_what_a_fake_run_gives(question, index):
     from helpers.composing.strategy import MODELS
 
-    plan, peak, sent = fits.load_sweep()[index]
-    found = fits.fake_step(MODELS[fits.QUESTION["model"]], plan)
+    plan, peak, sent = fits.load_sweep(fits.sweep_path(question))[index]
+    found = fits.fake_step(MODELS[question["model"]], plan)
     assert (found["peak"]["Total"], found["sent"]) == (peak, sent)
 
 
@@ -341,13 +347,13 @@ def fewest_bytes(shape, gpus, memory, sequences, seq_len):
 
 
 def never_gives_up(shape, gpus, memory, sequences, seq_len):
-    """Right on 80 and 48 GiB; on 24, where nothing can be held, a plan all the same."""
-    recompute = "op" if memory >= 80 * 2**30 else "full"
+    """Right on 80 and 54 GiB; on 24, where nothing can be held, a plan all the same."""
+    recompute = "op" if memory >= 60 * 2**30 else "full"
     return Plan(dp=gpus, recompute=recompute, micro_batch=1, seq_len=seq_len, bf16=True)
 
 
 def looked_up(shape, gpus, memory, sequences, seq_len):
-    """The lesson's answers, by memory alone."""
+    """The lesson's two answers (its figure's), by memory alone."""
     recompute = {80: "op", 48: "full"}.get(round(memory / 2**30))
     if recompute is None:
         raise ValueError("no layout fits")
@@ -355,17 +361,21 @@ def looked_up(shape, gpus, memory, sequences, seq_len):
 
 
 def gives_up_otherwise(shape, gpus, memory, sequences, seq_len):
+    """FSDP over every GPU, with the least recomputation a GPU holds; on 24 GiB the wrong error."""
     if memory < 40 * 2**30:
         raise RuntimeError("nothing fits")
-    return looked_up(shape, gpus, memory, sequences, seq_len)
+    recompute = "op" if memory >= 60 * 2**30 else "full"
+    return Plan(dp=gpus, recompute=recompute, micro_batch=1, seq_len=seq_len, bf16=True)
 
 
 def test_the_layout_checker_rejects_answers_looked_up_and_the_wrong_error():
-    expect_rejection("choose_plan", looked_up, "For the case question='16 GPUs', memory_gib=40: "
-                     "the plan: expected 'a Plan of the question', got 'raised ValueError'")
+    text = expect_rejection("choose_plan", looked_up, "For the case question='8 GPUs', "
+                            "memory_gib=54: the plan: expected 'a Plan of the question', got "
+                            "'raised ValueError'")
+    assert "(your function raised 'ValueError: no layout fits')" in text
     text = expect_rejection("choose_plan", gives_up_otherwise,
                             "the plan: expected 'raised ValueError', got 'raised RuntimeError'")
-    assert "The task asks for a ValueError when none can" in text
+    assert "The task asks for a ValueError when none can (your function raised" in text
 
 
 def test_the_layout_checker_rejects_another_question_and_a_search_that_gives_up():

@@ -107,10 +107,26 @@ def test_the_margin_is_the_most_a_published_run_reserved_per_byte_of_its_fake_pe
     assert fits.reserved_ratio() == max(gib * GiB / peaks[run] for run, gib in reserved)
 
 
-def test_the_calibrated_model_gives_table_1_and_hides_fsdp_there():
-    table_1 = TORCHTITAN_RUNS[0]
-    plan = fits.published_plan(table_1)
-    time = step_time.estimate(MODELS[table_1.model], plan,
-                              fits.recorded(table_1.model, plan)["sent"], fits.efficiency())
-    assert time.tokens_per_second == pytest.approx(table_1.tokens_per_second, rel=1e-9)
-    assert time.fsdp < time.compute and time.tp == 0
+def estimated(run):
+    plan = fits.published_plan(run)
+    return step_time.estimate(MODELS[run.model], plan, fits.recorded(run.model, plan)["sent"],
+                              fits.efficiency())
+
+
+def test_the_calibrated_model_hides_fsdp_under_compute_in_tables_1_and_3():
+    """Calibrated on Table 1, it gives Table 3 within the 3 % the lesson prints; there FSDP
+    crosses hosts and still hides, so the model predicts no loss against Table 1."""
+    table_1, table_3 = (next(run for run in TORCHTITAN_RUNS if run.where == f"Table {n}, row FSDP")
+                        for n in (1, 3))
+    for run in (table_1, table_3):
+        time = estimated(run)
+        assert time.fsdp < time.compute and time.tp == 0
+    assert 0 < estimated(table_3).tokens_per_second / table_3.tokens_per_second - 1 < 0.03
+
+
+def test_table_4_is_within_a_tenth_once_scaled_by_what_compile_and_float8_gave_the_8b():
+    """As the lesson prints: -36 % as it stands, -5 % scaled by Table 1's 8,532 / 5,762."""
+    table_4 = next(run for run in TORCHTITAN_RUNS if run.model == "Llama 3 70B")
+    error = estimated(table_4).tokens_per_second / table_4.tokens_per_second - 1
+    assert -0.40 < error < -0.30
+    assert abs((1 + error) * 8532 / 5762 - 1) < 0.10

@@ -219,6 +219,7 @@ def until_a_step(directory, seconds: float = 60) -> None:
         if events.exists() and '"event": "step"' in events.read_text():
             return
         time.sleep(0.05)
+    raise TimeoutError(f"no step in {events} after {seconds:g} s")
 
 
 # --- the torchrun job ---------------------------------------------------------------------------

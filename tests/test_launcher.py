@@ -173,10 +173,11 @@ def test_send_send_deadlock_ends_at_the_timeout_naming_the_call():
         assert f'workers.py", line {line}: dist.send(tensor, dst=1 - rank)' in where
 
 
-def _hogs(count: int) -> list:
-    """Processes that keep the cores busy: a loaded machine, as a lecture hall's laptop runs a
-    browser and a server beside the kernel."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+def _hogs(count: int, seconds: float = 180) -> list:
+    """Processes that keep the cores busy for at most `seconds`: a loaded machine, as a lecture
+    hall's laptop runs a browser and a server beside the kernel."""
+    spin = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
 
 
 def _both_recv_located(timeout):
@@ -259,22 +260,31 @@ def test_ranks_end_with_a_kernel_killed_under_them():
 
 
 def test_a_new_pool_removes_the_forkserver_folders_that_killed_kernels_left(tmp_path, monkeypatch):
-    from helpers.launcher.pool import remove_stale_forkserver_folders
+    from helpers.launcher.pool import STALE_S, remove_stale_forkserver_folders
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    left, live, other = (tmp_path / name for name in ("pymp-left", "pymp-live", "pymp-other"))
-    for folder in (left, live, other):
+    folders = {name: tmp_path / f"pymp-{name}" for name in ("left", "live", "fresh", "empty",
+                                                            "other")}
+    for folder in folders.values():
         folder.mkdir()
-    dead = socket.socket(socket.AF_UNIX)
-    dead.bind(str(left / "listener-1"))
-    dead.close()  # the socket file stays, held by no process: a killed kernel's
-    listening = socket.socket(socket.AF_UNIX)
-    listening.bind(str(live / "listener-2"))
+
+    def dead_socket(path, age):  # bound, then closed: the file stays, held by no process
+        held = socket.socket(socket.AF_UNIX)
+        held.bind(str(path))
+        held.close()
+        os.utime(path, (time.time() - age, time.time() - age))
+
+    dead_socket(folders["left"] / "listener-1", STALE_S + 60)  # a killed kernel's
+    dead_socket(folders["fresh"] / "listener-2", 0)  # a pool binding its own, just now
+    listening = socket.socket(socket.AF_UNIX)  # a live forkserver's, however old
+    listening.bind(str(folders["live"] / "listener-3"))
     listening.listen()
-    (other / "notes").write_text("not a socket")
+    os.utime(folders["live"] / "listener-3", (0, 0))
+    (folders["other"] / "notes").write_text("not a socket")
     try:
-        assert remove_stale_forkserver_folders() == [str(left)]
-        assert not left.exists() and live.exists() and other.exists()
+        assert remove_stale_forkserver_folders() == [str(folders["left"])]
+        assert [name for name, folder in folders.items() if folder.exists()] == [
+            "live", "fresh", "empty", "other"]
     finally:
         listening.close()
 

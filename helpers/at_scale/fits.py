@@ -5,8 +5,9 @@ a GPU's memory, its step timed by the step-time model (step_time).
   (accounting.account_worker, in a process of its own); returns a `Verdict`: the peak bytes of
   rank 0, the bytes it sends in the step by collective, whether the peak fits in `memory` and by
   how much, and the step's estimated time on torchtitan's H100s (`.step`, a step_time.StepTime).
-- `reserved_ratio()`: how much more the published runs reserved than their fake peak, at most:
-  the margin a plan keeps (`ratios()` gives each).
+- `reserved(peak)`: what a GPU would reserve for a fake peak, by the published runs: the larger
+  of `reserved_ratio()` times it and `reserved_excess()` more (`against_published()` gives
+  each run's).
 - `efficiency()`: the share of the GPU's peak FLOP/s at which the step-time model gives Table 1's
   published throughput (step_time.calibrate).
 - `QUESTION`: the lesson's question (Llama 3 8B, a global batch of 8 sequences of 8192 tokens,
@@ -183,9 +184,15 @@ def sweep_verdicts(memory_gib: float, question: dict = QUESTION) -> list:
     """A Verdict for each layout of `question`'s committed sweep, on GPUs of `memory_gib` GiB."""
     from helpers.composing.strategy import MODELS
 
+    path = sweep_path(question)
+    with open(path) as file:
+        recorded_for = json.load(file)["question"]
+    if recorded_for != question:
+        raise ValueError(f"{path} holds the sweep of {recorded_for}, not of {question}: run "
+                         "python -m helpers.at_scale.fits")
     shape = MODELS[question["model"]]
     return [verdict(shape, plan, peak, sent, memory_gib * GiB)
-            for plan, peak, sent in load_sweep(sweep_path(question))]
+            for plan, peak, sent in load_sweep(path)]
 
 
 # Real sizes, run by `python -m helpers.at_scale.fits sizes` and committed (AT_SIZE_RUNS):

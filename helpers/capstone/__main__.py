@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -56,6 +57,8 @@ def main(argv=None) -> int:
                         "killed (SIGKILL) after step --kill-after")
     parser.add_argument("--kill-after", type=int)
     options = parser.parse_args(argv)
+    if (options.kill_rank is None) != (options.kill_after is None):
+        parser.error("--kill-rank and --kill-after go together")
     config = dataclasses.replace(TRAINED, steps=options.steps, warmup=options.warmup)
     config.check()
     if options.fresh and os.path.isdir(options.directory):
@@ -89,16 +92,28 @@ def run_torchrun(command: list, environment: dict) -> tuple:
     saves and leaves (job.py), and this one waits for them. The agent then raises
     SignalException, whose traceback says nothing after a Ctrl-C: it is left out, and every other
     line of torchrun's own goes through."""
-    interrupted = []
+    interrupted, found = [], {}
     signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
     process = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True,
-                               bufsize=1)
-    failed, held, root_cause = None, [], False  # a traceback held until its last line
-    for line in process.stderr:
-        root_cause = root_cause or line.startswith("Root Cause")  # torchrun's failure report
+                               errors="replace", bufsize=1)
+    reader = threading.Thread(target=_pass_on, args=(process.stderr, interrupted, found),
+                              daemon=True)
+    reader.start()
+    returncode = process.wait()
+    reader.join(5)  # (a worker torchrun left behind may hold its pipe open: not forever)
+    return returncode, bool(interrupted), found.get("rank")
+
+
+def _pass_on(stderr, interrupted: list, found: dict) -> None:
+    """torchrun's standard error, line by line, to this one's, but a traceback that ends in
+    SignalException after a Ctrl-C; the rank its failure report names as the root cause goes in
+    found["rank"]."""
+    held, root_cause = [], False  # a traceback, held until its last line says what it was
+    for line in stderr:
+        root_cause = root_cause or line.startswith("Root Cause")
         rank = re.match(r"\s*rank\s*:\s*(\d+)", line)
-        if root_cause and rank and failed is None:
-            failed = int(rank.group(1))
+        if root_cause and rank and "rank" not in found:
+            found["rank"] = int(rank.group(1))
         if held or line.startswith("Traceback (most recent call last)"):
             held.append(line)
             if line[:1].strip() and not line.startswith("Traceback"):  # the exception's line
@@ -108,7 +123,6 @@ def run_torchrun(command: list, environment: dict) -> tuple:
             continue
         sys.stderr.write(line)
     sys.stderr.writelines(held)
-    return process.wait(), bool(interrupted), failed
 
 
 def said_why(returncode: int, interrupted: bool, failed, directory) -> int:

@@ -59,10 +59,11 @@ def warm_up(in_background: bool = False, only_in_a_kernel: bool = False) -> None
 
 
 def _start_forkserver(indicator) -> None:
-    remove_stale_forkserver_folders()
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(FORKSERVER_PRELOAD)
     try:
+        with contextlib.suppress(OSError):  # no /proc/net/unix: nothing to clean up here
+            remove_stale_forkserver_folders()
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
         first = context.Process(target=_exit_at_once)  # forked once the preloads are imported
         with main_module_kept_from_ranks():
             first.start()
@@ -76,7 +77,7 @@ def _exit_at_once():
     pass
 
 
-STALE_EMPTY_S = 3600  # an empty folder this old is no process's about to be filled
+STALE_S = 600  # a socket no process has held for this long is a killed kernel's
 
 
 def remove_stale_forkserver_folders() -> list:
@@ -84,33 +85,35 @@ def remove_stale_forkserver_folders() -> list:
 
     multiprocessing keeps the forkserver's socket in a folder of its own (tempdir/pymp-*) and
     removes it in Python's atexit, which a Jupyter kernel's shutdown never reaches (its kernel
-    manager ends it first). A folder is stale when it is this user's and holds nothing but
-    sockets that no process holds open (Linux lists those in /proc/net/unix), or nothing at all
-    for an hour: a live forkserver's is never touched, nor even connected to. Elsewhere than
-    Linux nothing is removed. Each new pool cleans up after the old ones."""
-    try:
-        with open("/proc/net/unix") as table:
-            open_sockets = {line.split()[-1] for line in table.readlines()[1:]
-                            if len(line.split()) > 7}
-    except OSError:
-        return []
+    manager ends it first). A folder is stale when it is this user's and holds only sockets, each
+    made more than STALE_S ago and held open by no process (Linux lists those that are in
+    /proc/net/unix, read again just before the folder goes): a live forkserver's is never
+    touched, nor even connected to, and a pool starting beside this one is not either. (A
+    kernel still running whose forkserver was killed loses its folder too: it could not start
+    its pool again anyway.) Elsewhere than Linux nothing is removed. Each new pool cleans up
+    after the old ones."""
     removed = []
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), "pymp-*")):
         try:
             if os.stat(folder).st_uid != os.getuid():
                 continue
             paths = [os.path.join(folder, name) for name in os.listdir(folder)]
-            if not paths:
-                stale = time.time() - os.stat(folder).st_mtime > STALE_EMPTY_S
-            else:
-                stale = all(stat.S_ISSOCK(os.lstat(path).st_mode) and path not in open_sockets
-                            for path in paths)
-            if stale:
+            old = [path for path in paths if stat.S_ISSOCK(os.lstat(path).st_mode)
+                   and time.time() - os.lstat(path).st_mtime > STALE_S]
+            if paths and len(old) == len(paths) and not set(old) & _open_sockets():
                 shutil.rmtree(folder)
                 removed.append(folder)
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return removed
+
+
+def _open_sockets() -> set:
+    """The paths of the Unix sockets some process holds open (Linux's /proc/net/unix; its last
+    column, which a path with spaces keeps whole). Raises OSError where there is no such file."""
+    with open("/proc/net/unix", "rb") as table:
+        rows = [line.rstrip(b"\n").split(None, 7) for line in table.readlines()[1:]]
+    return {os.fsdecode(row[7]) for row in rows if len(row) == 8}
 
 
 @contextlib.contextmanager

@@ -100,8 +100,8 @@ def rank_main(rank: int, job: Job, result_conn) -> None:
     """One rank's life, from rank_entry: output captured, the group joined, the worker run, one
     message sent, and out."""
     os.setpgrp()  # own process group: the parent can kill this rank and anything it started
-    _die_with_the_pool()
     _capture_output(job.out_dir, rank)
+    _die_with_the_pool()
     os.environ.clear()
     os.environ.update(job.environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world_size),
@@ -215,7 +215,8 @@ def _die_with_the_pool() -> None:
     pipe whose other end it watches: the kernel holds it, and multiprocessing hands every process
     it forks a copy (for processes of its own, which a rank starts otherwise). This rank closes
     its copy, so the forkserver ends with the kernel, and asks Linux to end the rank with the
-    forkserver (PR_SET_PDEATHSIG; elsewhere, only the copy is closed)."""
+    thread that forked it, the forkserver's only one (PR_SET_PDEATHSIG; elsewhere, only the copy
+    is closed; under the "spawn" start method, with the thread of the kernel that started it)."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
