@@ -143,6 +143,7 @@ benchmark: setup
 	$(PY) benchmarks/zero.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/weights.py
+	$(PY) benchmarks/bfloat16.py
 
 clean:
 	rm -rf $(VENV) .venv-* .pytest_cache

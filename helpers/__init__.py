@@ -7,10 +7,17 @@ The models and the single-process training every parallel lesson is checked agai
 helpers.reference.
 
 Imported in a Jupyter kernel, this starts the worker pool in the background (it imports torch
-once, a few seconds), so that the first launch finds it ready.
+once, a few seconds), so that the first launch finds it ready. On a CPU without bfloat16
+instructions, it has every process of the course compute bfloat16 matrix products in float32
+and round them, the same arithmetic many times faster (helpers.bfloat16).
 """
 
-import helpers.launcher  # starts the worker pool in a Jupyter kernel
+import helpers.launcher  # starts the worker pool in a Jupyter kernel, before torch is imported
+
+# isort: split
+import helpers.bfloat16
+
+helpers.bfloat16.install()  # nothing where PyTorch has fast bfloat16 kernels
 
 __all__ = ["RunResult", "WorkerError", "WorkerTimeout", "default_backend", "get_device", "run",
            "spawn", "warm_up"]
