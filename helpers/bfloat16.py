@@ -1,19 +1,22 @@
-"""bfloat16 matrix products at float32's speed on a CPU without bfloat16 instructions.
+"""bfloat16 matrix products many times faster on a CPU without bfloat16 instructions.
 
 PyTorch multiplies bfloat16 matrices on the CPU with oneDNN where the CPU has AVX-512 (or Arm's
 BF16 extension). Elsewhere, as on an x86 CPU with AVX2 but not AVX-512, it falls back to a
 generic loop, tens of times slower than float32's product: `python benchmarks/bfloat16.py`
 measures both on yours, and benchmarks/README.md shows a run (1.3 GFLOP/s against float32's 140
-for 512 x 512, on a 2-core AMD EPYC with AVX2; lesson 14's model trained 5.6x slower with it
-than with this module's kernels).
+for 512 x 512, and 73.5 this module's way, on a 2-core AMD EPYC with AVX2; lesson 14's model
+trained 5.6x slower with PyTorch's loop than with this module's kernels).
 
-The arithmetic is the same either way: the bfloat16 inputs, whose float32 values are exact,
-multiplied and summed in float32, and the result rounded once to bfloat16. So on such a CPU,
-`install()` (which `import helpers` calls) gives aten's `mm`, `addmm` and `bmm` CPU kernels that
-do exactly that through float32's own kernels; results differ from the generic loop's only by the
-order of the float32 sums. Other dtypes, other devices, autograd and what autograd saves for
-backward (bfloat16 tensors, as before) are untouched; a CPU with oneDNN's bfloat16 keeps
-PyTorch's kernels.
+Both multiply the bfloat16 values, whose float32 values are exact, sum the products in float32
+and round the result once to bfloat16. So on such a CPU, `install()` (which `import helpers`
+calls) registers CPU kernels for aten's `mm`, `addmm` and `bmm` that do exactly that with
+PyTorch's own float32 kernels: results differ from the generic loop's only by the order of the
+float32 sums. Every other dtype goes straight to PyTorch's kernel (`torch.library.get_kernel`),
+at the cost of a Python call (microseconds). Autograd, and what it saves for backward (bfloat16
+tensors, as before), are untouched; a product briefly holds float32 copies of its operands and
+result. Not covered: other products (`mv`, `dot`, `baddbmm`), calls with `out=`, and
+torch.compile's code (which calls `mm` with `out=`). A CPU with oneDNN's bfloat16 keeps PyTorch's
+kernels.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ def native() -> bool:
 
 
 def installed() -> bool:
-    """Whether this process's bfloat16 products are computed in float32 (`install`)."""
+    """Whether this process's bfloat16 products are computed in float32 (`install`): this
+    module's kernels are registered (tests/test_bfloat16.py checks that they are the ones
+    called)."""
     return _library is not None
 
 
@@ -46,31 +51,18 @@ def describe() -> str:
     return "PyTorch's own bfloat16 kernels"
 
 
-def _result(inputs, compute):
-    """`compute(*operands, out=)` in float32 for bfloat16 inputs, rounded to bfloat16; in the
-    inputs' own dtype otherwise, through the out= overload (whose kernel is PyTorch's)."""
-    if all(value.dtype == torch.bfloat16 for value in inputs):
-        out = torch.empty(0, dtype=torch.float32, device=inputs[0].device)
-        compute(*(value.float() for value in inputs), out=out)
-        return out.to(torch.bfloat16)
-    # any dtype but bfloat16: PyTorch's kernel, whose checks of shapes and dtypes raise as before
-    out = torch.empty(0, dtype=inputs[0].dtype, device=inputs[0].device)
-    compute(*inputs, out=out)
-    return out
+def _kernel(name: str):
+    """aten::`name`'s CPU kernel, computing in float32 for bfloat16 inputs and rounding once, and
+    PyTorch's own kernel (called as is) for every other dtype."""
+    theirs = torch.library.get_kernel(f"aten::{name}", "CPU")
 
+    def ours(keys, *operands, **options):
+        if all(value.dtype == torch.bfloat16 for value in operands):
+            product = theirs.call_boxed(keys, *(value.float() for value in operands), **options)
+            return product.to(torch.bfloat16)
+        return theirs.call_boxed(keys, *operands, **options)
 
-def _mm(self, mat2):
-    return _result((self, mat2), torch.mm)
-
-
-def _bmm(self, mat2):
-    return _result((self, mat2), torch.bmm)
-
-
-def _addmm(self, mat1, mat2, *, beta=1, alpha=1):
-    return _result((self, mat1, mat2),
-                   lambda bias, left, right, out: torch.addmm(bias, left, right, beta=beta,
-                                                              alpha=alpha, out=out))
+    return ours
 
 
 def install(force: bool = False) -> bool:
@@ -81,8 +73,8 @@ def install(force: bool = False) -> bool:
         library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # "Overriding a previously registered kernel": on purpose
             warnings.simplefilter("ignore")
-            for name, kernel in zip(PRODUCTS, (_mm, _addmm, _bmm)):
-                library.impl(name, kernel, "CPU")
+            for name in PRODUCTS:
+                library.impl(name, _kernel(name), "CPU", with_keyset=True)
         _library = library
     return installed()
 

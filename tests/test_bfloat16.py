@@ -37,16 +37,25 @@ def operands(*shapes, dtype=BF16):
 
 
 def exact(compute, *values):
-    """The product in float64, rounded once to bfloat16: what the hardware's kernels return, but
-    for a tie broken by a float32 sum's last bit."""
+    """The product in float64 (exact to far below a bfloat16 step), rounded once to bfloat16."""
     return compute(*(value.double() for value in values)).to(BF16)
 
 
-def assert_one_rounding(actual, expected):
-    """Equal, or one bfloat16 step apart where the float32 sum fell on the other side of a
-    rounding boundary: a step is 2^-7 of the value at most (8 significant bits)."""
+def assert_one_rounding(actual, expected, inner: int, largest: float):
+    """Equal within one bfloat16 step (2^-7 of the value at most: 8 significant bits), plus the
+    bound on a float32 sum's own error, inner x float32 epsilon x the largest product of two
+    entries: a float32 sum near a rounding boundary can fall on its other side, and a result
+    near zero, where cancellation leaves the float32 sum's error larger than a step of it."""
     assert actual.dtype == BF16
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=2 ** -7, atol=1e-30)
+    atol = inner * torch.finfo(torch.float32).eps * largest
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=2 ** -7, atol=atol)
+
+
+def bound(*values):
+    """The largest |left entry| x |right entry| of a product's two matrices (its last two
+    operands)."""
+    left, right = values[-2:]
+    return left.abs().max().item() * right.abs().max().item()
 
 
 PRODUCTS = {
@@ -63,8 +72,11 @@ def test_a_bfloat16_product_is_the_exact_one_rounded_once(name):
     values = operands(*shapes)
     with kernels(ours=True):
         actual = compute(*values)
-    assert_one_rounding(actual, exact(compute, *values))
-    # and almost always the very same bits: a tie is rare
+    inner = values[-2].shape[-1]
+    # addmm's alpha = 2 doubles each product; its bias adds no error of the sum's
+    assert_one_rounding(actual, exact(compute, *values), inner, 2 * bound(*values))
+    # and almost always the very same bits: a float32 sum lands near a rounding boundary rarely
+    # (about inner x float32 epsilon / a bfloat16 step of the entries, under 1e-3 here)
     assert (actual == exact(compute, *values)).float().mean() > 0.99
 
 
@@ -104,11 +116,33 @@ def test_gradients_and_autocast_are_the_exact_ones_rounded():
         with torch.autocast("cpu", BF16):
             y = F.linear(x, weight, bias)
         y.backward(upstream.to(BF16))
-    xb, wb = x.detach().to(BF16), weight.detach().to(BF16)
-    assert_one_rounding(y, exact(lambda a, w, b: F.linear(a, w, b), xb, wb, bias.to(BF16)))
-    grad_x = exact(torch.mm, upstream.to(BF16), wb)  # autocast's backward: bfloat16, then
-    assert_one_rounding(x.grad.to(BF16), grad_x)  # accumulated into float32's .grad
-    assert_one_rounding(weight.grad.to(BF16), exact(torch.mm, upstream.to(BF16).T, xb))
+    xb, wb, ub = x.detach().to(BF16), weight.detach().to(BF16), upstream.to(BF16)
+    assert_one_rounding(y, exact(lambda a, w, b: F.linear(a, w, b), xb, wb, bias.to(BF16)),
+                        32, bound(xb, wb))
+    # autocast's backward: bfloat16 products, then accumulated into float32's .grad
+    assert_one_rounding(x.grad.to(BF16), exact(torch.mm, ub, wb), 24, bound(ub, wb))
+    assert_one_rounding(weight.grad.to(BF16), exact(torch.mm, ub.T, xb), 16, bound(ub, xb))
+
+
+def copies_to_float32(compute, *values) -> int:
+    """How many conversions the profiler saw inside `compute(*values)`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        compute(*values)
+    return sum(event.count for event in profile.key_averages() if event.key == "aten::_to_copy")
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("name", sorted(PRODUCTS))
+def test_the_products_go_through_this_modules_kernels_only_when_installed(name):
+    """The numbers cannot tell the kernels apart (both round the exact sum once): what each
+    does can. Ours converts the operands to float32 and the result back."""
+    compute, shapes = PRODUCTS[name]
+    values = operands(*shapes)
+    with kernels(ours=True):
+        assert copies_to_float32(compute, *values) == len(values) + 1
+        assert copies_to_float32(compute, *(value.float() for value in values)) == 0
+    with kernels(ours=False):
+        assert copies_to_float32(compute, *values) == 0
 
 
 @pytest.mark.once
