@@ -106,12 +106,26 @@ def main(argv: list | None = None) -> int:
     return code
 
 
-def _wait_through_interrupts(server: subprocess.Popen) -> int:
-    while True:
-        try:
-            return server.wait()
-        except KeyboardInterrupt:
-            continue
+def _wait_through_interrupts(server: subprocess.Popen, grace: float = 10) -> int:
+    """The server's exit code, once Ctrl+C has stopped it. A Jupyter server interrupted while it
+    is still busy starting (a loaded machine) can take the KeyboardInterrupt inside a callback,
+    log it, and go on serving: after `grace` seconds it is sent SIGTERM, which it handles by
+    stopping cleanly, and `grace` seconds later SIGKILL."""
+    for send in (None, server.terminate, server.kill):
+        if send is not None:
+            print(f"The slides' server is still running {grace:.0f} s after Ctrl+C: "
+                  f"{'stopping it (SIGTERM)' if send == server.terminate else 'killing it'}.",
+                  flush=True)
+            send()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                return server.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except KeyboardInterrupt:
+                continue
+            except subprocess.TimeoutExpired:
+                break
+    return server.wait()
 
 
 def free_port() -> int:

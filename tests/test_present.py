@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -67,3 +68,21 @@ def test_make_present_serves_the_copy_and_stops_at_ctrl_c(tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def test_a_server_that_ignores_ctrl_c_is_stopped_by_sigterm_then_sigkill(capsys):
+    """What a Jupyter server busy starting on a loaded machine can do: take the interrupt and go
+    on. `present` then sends SIGTERM after its grace period, and SIGKILL after another."""
+    stops_at_sigterm = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); print('up', "
+                        "flush=True); time.sleep(60)")
+    stops_at_nothing = stops_at_sigterm.replace("lambda *_: sys.exit(0)", "signal.SIG_IGN")
+    for code, expected, said in ((stops_at_sigterm, 0, "stopping it (SIGTERM)"),
+                                 (stops_at_nothing, -signal.SIGKILL, "killing it")):
+        server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline() == "up\n"  # its handlers are set
+        server.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        assert present._wait_through_interrupts(server, grace=1) == expected
+        assert time.monotonic() - started < 10
+        assert said in capsys.readouterr().out
