@@ -117,6 +117,50 @@ def test_the_requeued_job_ends_equal_to_plain_torchrun_having_lost_no_step():
 
 @pytest.mark.cluster
 @needs_cluster
+def test_a_time_limits_warning_requeues_the_job_which_ends_equal_to_plain_torchrun():
+    """capstone.sbatch's trap: USR1 to the batch shell alone (what --signal=B:USR1@120 sends
+    before a time limit; sent here with scancel --batch) makes the script requeue its own job; the
+    ranks save at SIGTERM and the requeued job goes on from there."""
+    config = training.LESSON_CONFIG
+    with Cluster.start() as cluster:
+        directory = cluster.path("capstone")
+        job = slurm.submit(cluster, slurm.SCRIPT, directory, *arguments_for(config))
+        slurm.follow(cluster, job, until=lambda: slurm.last_step(directory) >= 3, timeout=90)
+        slurm.warn_of_time_limit(cluster, job)
+        moments = slurm.follow(cluster, job, timeout=120)
+        assert "PENDING (BeginTime)" in slurm.states(moments)
+        assert slurm.job_fields(cluster, job, ("JobState", "Restarts")) == {
+            "JobState": "COMPLETED", "Restarts": "1"}
+        with open(os.path.join(directory, f"capstone-{job}.out")) as out:
+            assert "time limit near: requeueing" in out.read()
+        events = slurm.events(directory)
+        steps, _ = records(directory)
+    stops = {event["step"] for event in events if event["event"] == "stopping"}
+    restarted = {event["step"] for event in events
+                 if event["event"] == "started" and event["restart"] == 1}
+    assert len(stops) == 1 and restarted == stops
+    assert {step: record["loss"] for step, record in steps.items()} == (
+        training.reference_losses(config))
+
+
+def test_every_variable_a_job_gets_beyond_the_kernels_is_explained(tmp_path):
+    """What slurm.submit adds to the kernel's environment is what the lesson shows, each with
+    what it would do on two real nodes."""
+    class Stub:  # job_environment's only use of a cluster
+        conf = str(tmp_path / "slurm.conf")
+
+        def environment(self, **extra):
+            return {**os.environ, "SLURM_CONF": self.conf, **extra}
+
+    added = slurm.added_environment(Stub())
+    assert set(added) <= set(slurm.ADDED)
+    assert {"GLOO_SOCKET_IFNAME", "PATH", "PYTHONPATH", "SLURM_CONF", "RDZV_PORT"} <= set(added)
+    assert added["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "BREAKS" in slurm.ADDED["GLOO_SOCKET_IFNAME"][1]
+
+
+@pytest.mark.cluster
+@needs_cluster
 def test_a_kernel_killed_with_its_cluster_leaves_no_daemon_and_the_next_start_removes_its_folder():
     child = subprocess.Popen(
         [sys.executable, "-c", "from helpers.on_a_cluster.cluster import Cluster\n"

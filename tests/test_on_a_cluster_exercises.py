@@ -60,3 +60,53 @@ def test_the_node_list_solution_passes_and_typical_mistakes_do_not():
 
     result = check("hostnames", unpadded)
     assert not result.passed and "gpu01" in repr(result)
+
+
+def test_each_typical_node_list_mistake_gets_its_own_hint():
+    def split_at_every_comma(nodelist):  # gpu[01-03,07] cut into "gpu[01-03" and "07]"
+        return [name for piece in nodelist.split(",")
+                for name in (solution("hostnames")(piece) if "[" in piece and "]" in piece
+                             else [piece])]
+
+    def brackets_left(nodelist):  # gpu[01-03,07] kept whole
+        names, depth, name = [], 0, ""
+        for char in nodelist + ",":
+            depth += {"[": 1, "]": -1}.get(char, 0)
+            if char == "," and depth == 0:
+                names.append(name)
+                name = ""
+            else:
+                name += char
+        return names
+
+    def unpadded(nodelist):  # gpu[01-03] read as gpu1, gpu2, gpu3
+        return [name.replace("gpu0", "gpu") for name in solution("hostnames")(nodelist)]
+
+    def widest(nodelist):  # n[8-10] padded to n08, n09, n10
+        return [name if not name[1:].isdigit() else name[0] + name[1:].zfill(2)
+                for name in solution("hostnames")(nodelist)]
+
+    def last_bracket_slowest(nodelist):  # rack[1-2]-node[1-2] as rack1-node1, rack2-node1, ...
+        names = solution("hostnames")(nodelist)
+        if nodelist.startswith("rack"):
+            return sorted(names, key=lambda name: name.split("-node")[::-1])
+        return names
+
+    def range_ends_excluded(nodelist):  # range(low, high), the last number lost
+        names = solution("hostnames")(nodelist)
+        return [name for name in names if name not in ("n2", "gpu03", "n10", "rack2-node2")]
+
+    hints = {}
+    for mistake in (split_at_every_comma, brackets_left, unpadded, widest,
+                    last_bracket_slowest, range_ends_excluded):
+        result = check("hostnames", mistake)
+        assert not result.passed, mistake.__name__
+        hints[mistake.__name__] = [line for line in result.lines if line.startswith("Hint:")]
+    assert all(len(hint) == 1 for hint in hints.values()), hints
+    assert len({hint[0] for hint in hints.values()}) == len(hints) - 1, hints  # unpadded, widest:
+    assert hints["unpadded"] == hints["widest"]  # one hint: a number as wide as it is written
+    assert "commas outside brackets" in hints["split_at_every_comma"][0]
+    assert "a bracket is left" in hints["brackets_left"][0]
+    assert "first bracket's numbers change slowest" in hints["last_bracket_slowest"][0]
+    assert "both included" in hints["range_ends_excluded"][0]
+

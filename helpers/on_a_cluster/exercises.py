@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -168,6 +169,31 @@ def _runs() -> str:
     return RUNS
 
 
+def _hostnames_hint(got, expected, nodelist) -> str | None:
+    """The hint for the typical mistake that `got` shows, if it shows one; else the general one."""
+    if not isinstance(got, list) or not all(isinstance(name, str) for name in got):
+        return "return a list of str, one host name each"
+    if any(name.count("[") != name.count("]") for name in got):
+        return ("a comma inside brackets separates numbers, not names: split the list only at "
+                "commas outside brackets, then expand each name's brackets")
+    if any(mark in name for name in got for mark in "[],"):
+        return ("a bracket is left in a name: expand it, one name per number (\"n[1-2]\" is n1, "
+                "n2; \"gpu[01-03,07]\" is gpu01, gpu02, gpu03, gpu07)")
+    if sorted(got) == sorted(expected):
+        return ("the names are right, their order is not: names in the order written, and in a "
+                "name with two brackets the first bracket's numbers change slowest")
+    unpadded = [re.sub(r"(?<!\d)0+(?=\d)", "", name) for name in expected]
+    if [re.sub(r"(?<!\d)0+(?=\d)", "", name) for name in got] == unpadded:
+        return ("a number is written as wide as it is in the list: \"gpu[01-03]\" gives gpu01, "
+                "gpu02, gpu03 (the width of \"01\" kept), and \"n[8-10]\" gives n8, n9, n10 "
+                "(no zeros where none are written)")
+    if len(got) < len(expected) and set(got) <= set(expected):
+        return ("some names are missing: a range gives every number from its first to its last, "
+                "both included (\"n[8-10]\": n8, n9, n10), and two brackets give every "
+                "combination")
+    return None
+
+
 EXERCISES["hostnames"] = Exercise(
     "hostnames(nodelist) returns the list of host names in a Slurm node list such as "
     "SLURM_JOB_NODELIST, in the order `scontrol show hostnames` gives them: names separated by "
@@ -176,4 +202,5 @@ EXERCISES["hostnames"] = Exercise(
     "where scontrol is not installed (a container)",
     NODELISTS, _slurms_hostnames, distributed=False,
     hint="\"gpu[01-03,07]\" is gpu01, gpu02, gpu03, gpu07: the width of \"01\" is kept",
+    hint_for=_hostnames_hint,
 )

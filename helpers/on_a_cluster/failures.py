@@ -26,7 +26,8 @@ from helpers.present import free_port
 from helpers.timing import timestamp
 
 JOIN_TIMEOUT = 6  # seconds the nodes of a broken job wait for each other (the script's: 20)
-LAUNCH = 'srun --output=%x-%j.node%n.out --kill-on-bad-exit=1 \\\n    torchrun'
+SRUN = 'srun --cpus-per-task="$SLURM_CPUS_PER_TASK" --output=%x-%j.node%n.out --kill-on-bad-exit=1'
+LAUNCH = SRUN + ' \\\n    torchrun'  # capstone.sbatch's job step, up to its command
 ENDPOINT = '--rdzv-endpoint "$head_address:$port"'
 
 
@@ -87,13 +88,14 @@ def own_endpoint(script: str) -> str:
     node's ports: the node's number goes into the port instead, so that each node's rendezvous
     is its own, as it is on a real cluster with each node's own $(hostname)."""
     start = script.index(LAUNCH)
-    command = script[start + len("srun --output=%x-%j.node%n.out --kill-on-bad-exit=1 \\\n    "):]
+    end = script.index(" &\n", start)  # the step runs in the background; the script waits
+    command = script[start + len(SRUN + " \\\n    "):end]
     own = '--rdzv-endpoint "$head_address:$((port + SLURM_NODEID))"'
-    command = command.rstrip("\n").replace(ENDPOINT, own)
+    command = command.replace(ENDPOINT, own)
     return (script[:start].replace("port=${RDZV_PORT:-29400}",
                                    "export head_address port=${RDZV_PORT:-29400}")
-            + "srun --output=%x-%j.node%n.out --kill-on-bad-exit=1 bash -c 'exec \\\n    "
-            + command.replace('"$@"', '"$@"\' bash "$@"') + "\n")
+            + SRUN + " bash -c 'exec \\\n    "
+            + command.replace('"$@"', '"$@"\' bash "$@"') + script[end:])
 
 
 class TakenPort:

@@ -6,6 +6,7 @@ types (sbatch, squeue, scontrol, sacct -c), called from the kernel.
   sbatch's (`nodes=1`, `array="0-3"`), given on the command line over the script's #SBATCH lines.
 - `follow(cluster, job, until=...)`: squeue every half second; the job's states as they changed.
 - `requeue(cluster, job)`: `scontrol requeue`, as an administrator or a preemption would.
+- `warn_of_time_limit(cluster, job)`: the signal a time limit's warning sends the batch shell.
 - `finished(cluster)`: every finished job, as Slurm recorded it (`sacct -c`).
 - `node_logs(directory, job)`: what each node's torchrun printed, by node.
 - `ranks(directory)`: every rank's "started" events: which node, which attempt, which step.
@@ -39,6 +40,53 @@ def job_environment(cluster: Cluster, **extra) -> dict:
                                            environment.get("PATH", "")])
     environment["RDZV_PORT"] = str(free_port())
     return cluster.environment(**environment, **{key: str(value) for key, value in extra.items()})
+
+
+# What job_environment adds to this kernel's environment, and what each would do on two real
+# machines: (why it is here, on two real nodes). tests/test_on_a_cluster.py checks that every
+# variable added has its line.
+ADDED = {
+    "SLURM_CONF": ("points Slurm's commands at this cluster's slurm.conf",
+                   "breaks them where that file is not: a real cluster's nodes have their own"),
+    "PATH": ("this Python's folder first: the course's torchrun and python",
+             "needs the same environment at the same path on every node (a shared file system "
+             "or one image)"),
+    "PYTHONPATH": ("the repository, so that `helpers` is found",
+                   "the same: the repository at the same path on every node"),
+    "RDZV_PORT": ("a port free here for the rendezvous (two clusters share this machine)",
+                  "not needed: any port free on the first node, c10d's default 29400"),
+    "GLOO_SOCKET_IFNAME": ("gloo's connections on the loopback interface, lo",
+                           "BREAKS the job: lo reaches no other machine. Name the interface that "
+                           "joins the nodes (ip -brief address), or leave it unset"),
+    "OMP_NUM_THREADS": ("one thread a rank (torchrun's own default, where unset, for more "
+                        "than one rank a node)",
+                        "right for this script (2 CPUs, 2 ranks); with more CPUs a task, "
+                        "SLURM_CPUS_PER_TASK / --nproc-per-node"),
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": ("each torchrun restart a store of its own (lesson 12)",
+                                           "harmless"),
+    "RES_OPTIONS": ("one DNS query a name, given 1 s (the launcher's README: this machine's "
+                    "DNS leaves some queries unanswered)",
+                    "can fail a rendezvous whose node names a slow DNS answers late: remove it"),
+    "LOGLEVEL": ("torchrun's agent says what it does", "harmless"),
+}
+
+
+def added_environment(cluster: Cluster) -> dict:
+    """{name: value} of what a job submitted from here sees that this kernel's environment does
+    not hold (or holds with another value)."""
+    return {name: value for name, value in job_environment(cluster).items()
+            if os.environ.get(name) != value}
+
+
+def show_added_environment(cluster: Cluster) -> None:
+    """What slurm.submit adds to this kernel's environment for a job, variable by variable: why it
+    is here, and what it would do on two real machines. Paths are shown by what they name."""
+    shown = {"PATH": "<this Python's folder>:$PATH", "PYTHONPATH": "<the repository>:$PYTHONPATH",
+             "RDZV_PORT": "<a free port>", "SLURM_CONF": "<the cluster's folder>/slurm.conf"}
+    job = job_environment(cluster)
+    for name, (why, real) in ADDED.items():
+        print(f"{name}={shown.get(name, job[name])}\n    here: {why}\n"
+              f"    on two real nodes: {real}")
 
 
 def submit(cluster: Cluster, script: str, directory: str, *arguments, environment=None,
@@ -90,6 +138,15 @@ def requeue(cluster: Cluster, job: str) -> float:
     later) and queues it again. Returns the moment it was asked."""
     moment = timestamp()
     cluster.run(["scontrol", "requeue", job])
+    return moment
+
+
+def warn_of_time_limit(cluster: Cluster, job: str) -> float:
+    """`scancel --batch --signal=USR1 job`: USR1 to the batch shell alone, what capstone.sbatch's
+    `#SBATCH --signal=B:USR1@120` has Slurm send 120 s (to 180) before a time limit; the script's
+    trap then requeues the job. Returns the moment it was sent."""
+    moment = timestamp()
+    cluster.run(["scancel", "--batch", "--signal=USR1", job])
     return moment
 
 

@@ -21,7 +21,7 @@ nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 export MASTER_ADDR=$(scontrol show node "${{nodes[0]}}" | grep -oP 'NodeAddr=\\K\\S+')
 export MASTER_PORT=${{RDZV_PORT:-29500}}
 
-srun --kill-on-bad-exit=1 --distribution=block bash -c \\
+srun --cpus-per-task="$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 --distribution=block bash -c \\
     'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID \\
      exec python -m helpers.capstone.job "$@"' bash "$@"
 """
