@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -73,6 +74,9 @@ def main(argv: list | None = None) -> int:
                         help="where the copy goes (default: presenting/)")
     parser.add_argument("--no-browser", action="store_true", help="print the address only")
     options = parser.parse_args(argv)
+    # Ctrl+C stops presenting, and the server, even where this was started with SIGINT ignored
+    # (a script's background job: a Python started so leaves it ignored, and so would the server)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     notebook = copy(options.lesson, options.directory)
     port, token = options.port or free_port(), secrets.token_hex(16)
     url = f"http://127.0.0.1:{port}/rise/{notebook.name}?token={token}"
@@ -110,17 +114,17 @@ def _wait_through_interrupts(server: subprocess.Popen, grace: float = 10) -> int
     """The server's exit code, once Ctrl+C has stopped it. A Jupyter server interrupted while it
     is still busy starting (a loaded machine) can take the KeyboardInterrupt inside a callback,
     log it, and go on serving: after `grace` seconds it is sent SIGTERM, which it handles by
-    stopping cleanly, and `grace` seconds later SIGKILL."""
+    stopping cleanly, and `grace` seconds later SIGKILL. (Another Ctrl+C meanwhile starts that
+    wait again.)"""
     for send in (None, server.terminate, server.kill):
         if send is not None:
             print(f"The slides' server is still running {grace:.0f} s after Ctrl+C: "
                   f"{'stopping it (SIGTERM)' if send == server.terminate else 'killing it'}.",
                   flush=True)
             send()
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
+        while True:
             try:
-                return server.wait(timeout=max(0.0, deadline - time.monotonic()))
+                return server.wait(timeout=grace)
             except KeyboardInterrupt:
                 continue
             except subprocess.TimeoutExpired:

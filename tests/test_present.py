@@ -43,11 +43,12 @@ def test_the_settings_bind_i_i_to_the_kernels_interrupt(tmp_path):
 
 def test_make_present_serves_the_copy_and_stops_at_ctrl_c(tmp_path):
     """The command itself: the address it prints serves the copy's slides and the style sheet,
-    and Ctrl+C (SIGINT, to it and the server, as a terminal sends it) stops both."""
+    and Ctrl+C (SIGINT, to it and the server, as a terminal sends it) stops both. Started with
+    SIGINT ignored, as a script's background job is (CI can run so): Ctrl+C must work anyway."""
     process = subprocess.Popen(
         [sys.executable, "-m", "helpers.present", "01", "--no-browser", "--directory",
          str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         url = None
         for line in process.stdout:
