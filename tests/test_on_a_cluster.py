@@ -143,6 +143,19 @@ def test_a_time_limits_warning_requeues_the_job_which_ends_equal_to_plain_torchr
         training.reference_losses(config))
 
 
+def test_the_node_list_exercise_is_checked_where_slurm_is_not_installed(monkeypatch):
+    """A laptop without Slurm (macOS): the checker takes Slurm's expansion as recorded."""
+    from helpers.exercises import check, solution
+    from helpers.on_a_cluster import exercises
+
+    monkeypatch.setattr(exercises.shutil, "which", lambda name: None)
+    monkeypatch.setattr(exercises, "_slurms_hostnames", None)  # never called
+    assert check("hostnames", solution("hostnames")).passed
+    unpadded = check("hostnames", lambda nodelist: [
+        name.replace("gpu0", "gpu") for name in solution("hostnames")(nodelist)])
+    assert not unpadded.passed and "the width of" in repr(unpadded)
+
+
 def test_every_variable_a_job_gets_beyond_the_kernels_is_explained(tmp_path):
     """What slurm.submit adds to the kernel's environment is what the lesson shows, each with
     what it would do on two real nodes."""

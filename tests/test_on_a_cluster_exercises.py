@@ -7,7 +7,7 @@ import os
 import pytest
 
 from helpers.exercises import check, solution
-from helpers.on_a_cluster import slurm
+from helpers.on_a_cluster import exercises, slurm
 from helpers.on_a_cluster.cluster import unavailable
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
@@ -48,6 +48,12 @@ def test_the_batch_script_checker_rejects_a_job_that_cannot_be_requeued():
     result = check("batch_script", never_again)
     assert not result.passed
     assert "'the job': expected 'COMPLETED', got 'refused a requeue" in repr(result)
+
+
+def test_the_recorded_node_lists_are_slurms_own():
+    """What the checker expects where Slurm is not installed is what scontrol says."""
+    for nodelist, names in exercises.RECORDED_HOSTNAMES.items():
+        assert exercises._slurms_hostnames(nodelist) == names, nodelist
 
 
 def test_the_node_list_solution_passes_and_typical_mistakes_do_not():

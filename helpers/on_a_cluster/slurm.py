@@ -64,8 +64,8 @@ ADDED = {
                         "SLURM_CPUS_PER_TASK / --nproc-per-node"),
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": ("each torchrun restart a store of its own (lesson 12)",
                                            "harmless"),
-    "RES_OPTIONS": ("one DNS query a name, given 1 s (the launcher's README: this machine's "
-                    "DNS leaves some queries unanswered)",
+    "RES_OPTIONS": ("one DNS query a name, given 1 s (helpers/launcher/README.md: this "
+                    "machine's DNS leaves some queries unanswered)",
                     "can fail a rendezvous whose node names a slow DNS answers late: remove it"),
     "LOGLEVEL": ("torchrun's agent says what it does", "harmless"),
 }
