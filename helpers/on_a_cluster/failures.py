@@ -168,9 +168,12 @@ def _folder(directory: str, name: str) -> str:
 
 
 def _stuck(folder: str, job: str) -> bool:
-    """Every node's torchrun printed its configuration, and no rank has started."""
+    """Every node's torchrun printed its configuration, none has got past the rendezvous to start
+    its ranks, and no rank has started. (A job whose agents started their ranks is not stuck in
+    the rendezvous, however long its ranks take to import torch on a loaded machine.)"""
     logs = slurm.node_logs(folder, job, everything=True)
     return (bool(logs) and all("rdzv_configs" in text for text in logs.values())
+            and not any("Starting worker group" in text for text in logs.values())
             and not slurm.ranks(folder))
 
 
