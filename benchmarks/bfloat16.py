@@ -37,10 +37,8 @@ def rate(size: int, dtype, repeats: int) -> float:
 
 def with_kernels(ours: bool, measure, *args):
     """measure(*args) with helpers.bfloat16's kernels (ours) or PyTorch's."""
-    bfloat16.uninstall()
-    if ours:
-        bfloat16.install(force=True)
-    return measure(*args)
+    with bfloat16.kernels(ours):
+        return measure(*args)
 
 
 def main():
@@ -73,8 +71,6 @@ def main():
     print(f"\nlesson 14's model, {options.steps} steps of {config.batch} sequences in one "
           "process (s): " + ", ".join(f"{name} {value:.2f}" for name, value in timings.items())
           + f"; PyTorch / helpers {timings['bf16 PyTorch'] / timings['bf16 helpers']:.1f}x")
-    bfloat16.uninstall()
-    bfloat16.install()
 
 
 if __name__ == "__main__":

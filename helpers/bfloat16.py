@@ -21,6 +21,7 @@ kernels.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -85,3 +86,20 @@ def uninstall() -> None:
     if _library is not None:
         _library._destroy()
         _library = None
+
+
+@contextlib.contextmanager
+def kernels(ours: bool):
+    """This process with this module's kernels (`ours`) or PyTorch's, then as it was: for
+    comparing the two (tests/test_bfloat16.py, benchmarks/bfloat16.py)."""
+    was = installed()
+    uninstall()
+    if ours:
+        install(force=True)
+    try:
+        yield
+    finally:
+        uninstall()
+        if was:
+            install(force=True)
+

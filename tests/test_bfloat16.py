@@ -2,8 +2,6 @@
 and rounded once. Each expected value is the exact product (float64, whose sums of these products
 are exact to far below a bfloat16 step) rounded to bfloat16, or PyTorch's own kernel."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,21 +13,6 @@ from helpers.reference import seeded_randn
 pytestmark = pytest.mark.numerical
 
 BF16 = torch.bfloat16
-
-
-@contextlib.contextmanager
-def kernels(ours: bool):
-    """This process with the float32-computed kernels (ours) or PyTorch's, then as it was."""
-    was = bfloat16.installed()
-    bfloat16.uninstall()
-    if ours:
-        bfloat16.install(force=True)
-    try:
-        yield
-    finally:
-        bfloat16.uninstall()
-        if was:
-            bfloat16.install(force=True)
 
 
 def operands(*shapes, dtype=BF16):
@@ -70,7 +53,7 @@ PRODUCTS = {
 def test_a_bfloat16_product_is_the_exact_one_rounded_once(name):
     compute, shapes = PRODUCTS[name]
     values = operands(*shapes)
-    with kernels(ours=True):
+    with bfloat16.kernels(ours=True):
         actual = compute(*values)
     inner = values[-2].shape[-1]
     # addmm's alpha = 2 doubles each product; its bias adds no error of the sum's
@@ -87,9 +70,9 @@ def test_other_dtypes_get_pytorchs_own_kernel_bit_for_bit(name, dtype):
     values = [value.round() if not dtype.is_floating_point else value
               for value in operands(*shapes, dtype=torch.float64)]
     values = [value.to(dtype) for value in values]
-    with kernels(ours=False):
+    with bfloat16.kernels(ours=False):
         theirs = compute(*values)
-    with kernels(ours=True):
+    with bfloat16.kernels(ours=True):
         ours = compute(*values)
     assert ours.dtype == dtype and ours.shape == theirs.shape
     assert torch.equal(ours, theirs)
@@ -100,7 +83,7 @@ def test_errors_are_pytorchs_own():
     left, right = operands((4, 5), (6, 3))
     messages = []
     for ours in (False, True):
-        with kernels(ours=ours), pytest.raises(RuntimeError) as raised:
+        with bfloat16.kernels(ours=ours), pytest.raises(RuntimeError) as raised:
             torch.mm(left, right)
         messages.append(str(raised.value))
     assert messages[0] == messages[1]
@@ -111,7 +94,7 @@ def test_gradients_and_autocast_are_the_exact_ones_rounded():
     float64 products each rounded once, as native bfloat16 kernels would give them."""
     x, weight, bias = operands((16, 32), (24, 32), (24,), dtype=torch.float32)
     upstream = seeded_randn(9, 16, 24)
-    with kernels(ours=True):
+    with bfloat16.kernels(ours=True):
         x.requires_grad_(), weight.requires_grad_()
         with torch.autocast("cpu", BF16):
             y = F.linear(x, weight, bias)
@@ -138,10 +121,10 @@ def test_the_products_go_through_this_modules_kernels_only_when_installed(name):
     does can. Ours converts the operands to float32 and the result back."""
     compute, shapes = PRODUCTS[name]
     values = operands(*shapes)
-    with kernels(ours=True):
+    with bfloat16.kernels(ours=True):
         assert copies_to_float32(compute, *values) == len(values) + 1
         assert copies_to_float32(compute, *(value.float() for value in values)) == 0
-    with kernels(ours=False):
+    with bfloat16.kernels(ours=False):
         assert copies_to_float32(compute, *values) == 0
 
 
