@@ -8,13 +8,16 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 import torch
 from checker import expect_rejection
 
+from helpers import exercises, reference
 from helpers.capstone import corpus, job
+from helpers.capstone import exercises as capstone_exercises
 from helpers.capstone.train import Config, lr_factor, one_process, train_worker
 from helpers.checkpoints_and_failures.elastic import torchrun_command, torchrun_environment
 from helpers.checkpoints_and_failures.resume import latest_checkpoint
@@ -132,6 +135,11 @@ def test_the_unigram_baseline_is_the_held_out_texts_cross_entropy_under_add_one_
     held_out = bytes(text.validation.tolist())
     expected = -sum(math.log2(counts[byte] / total) for byte in held_out) / len(held_out)
     assert corpus.unigram_bits(text) == pytest.approx(expected, rel=1e-9)
+    # on windows, the bytes they predict: each window's first byte is an input only
+    windows = text.batch("validation", 0, 3, 16, seed=1)
+    targets = [byte for row in windows.tolist() for byte in row[1:]]
+    expected = -sum(math.log2(counts[byte] / total) for byte in targets) / len(targets)
+    assert corpus.unigram_bits(text, windows) == pytest.approx(expected, rel=1e-9)
 
 
 def test_the_learning_rate_warms_up_linearly_then_falls_as_half_a_cosine():
@@ -145,6 +153,10 @@ def test_the_learning_rate_warms_up_linearly_then_falls_as_half_a_cosine():
 
 # --- the capstone exercise rejects typical mistakes (its solution passes: test_exercises.py) ----
 
+# Each mistake runs in the ranks as the reference solution with one thing changed. A mistake in
+# every step fails the checker's first run, the whole one (one launch of 4 ranks); a mistake in
+# resuming, the run after the kill (three launches).
+
 def without_recomputation(rank, world_size, job, directory, recompute):
     from helpers.capstone.solutions import capstone
     return capstone(rank, world_size, job, directory, False)
@@ -157,16 +169,84 @@ def counting_from_zero_again(rank, world_size, job, directory, recompute):
     return solutions.capstone(rank, world_size, job, directory, recompute)
 
 
-def clipping_each_ranks_pieces(rank, world_size, job, directory, recompute):
+def resuming_without_the_optimizers_state(rank, world_size, job, directory, recompute):
     from helpers.capstone import solutions
+    solutions.NOT_NEEDED = (*solutions.NOT_NEEDED, "optimizer")  # neither saved nor loaded
+    return solutions.capstone(rank, world_size, job, directory, recompute)
 
-    def local_norm(model, max_norm):
-        pieces = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([piece.norm() for piece in pieces]))
-        for piece in pieces:
-            piece.mul_(min(1.0, max_norm / (norm.item() + 1e-6)))
 
-    solutions.clip_to_norm = local_norm
+def clipping(norm_of):
+    """The solution, clipping every gradient by `norm_of(local pieces)` instead of the global
+    norm, as clip_grad_norm_ scales them."""
+    def capstone(rank, world_size, job, directory, recompute):
+        from helpers.capstone import solutions
+
+        def clip_to_norm(model, max_norm):
+            pieces = [parameter.grad.to_local() for parameter in model.parameters()]
+            scale = min(1.0, max_norm / (norm_of(pieces) + 1e-6))
+            for piece in pieces:
+                piece.mul_(scale)
+
+        solutions.clip_to_norm = clip_to_norm
+        return solutions.capstone(rank, world_size, job, directory, recompute)
+
+    return capstone
+
+
+def each_ranks_own_norm(pieces):
+    return torch.linalg.vector_norm(torch.stack([piece.norm() for piece in pieces])).item()
+
+
+def every_ranks_pieces_summed(pieces):
+    """Every rank's pieces' squares, summed over all 4 ranks: what both tp partners hold (all
+    but the blocks' cut layers) counts twice."""
+    import torch.distributed as dist
+
+    total = sum(piece.pow(2).sum() for piece in pieces).reshape(1)
+    dist.all_reduce(total)
+    return total.sqrt().item()
+
+
+def without_clipping(rank, world_size, job, directory, recompute):
+    from helpers.capstone import solutions
+    solutions.clip_to_norm = lambda model, max_norm: None
+    return solutions.capstone(rank, world_size, job, directory, recompute)
+
+
+def losses(of_the_halves):
+    """The solution, returning `of_the_halves(this rank's half's loss, the dp group)` for each
+    step's loss."""
+    def capstone(rank, world_size, job, directory, recompute):
+        from helpers.capstone import solutions
+        solutions.mean_over = of_the_halves
+        return solutions.capstone(rank, world_size, job, directory, recompute)
+
+    return capstone
+
+
+def summed(value, group):
+    import torch.distributed as dist
+
+    value = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(value, group=group)
+    return value.item()
+
+
+def gradients_summed_over_the_halves(rank, world_size, job, directory, recompute):
+    """FSDP sums each gradient over dp instead of averaging it: twice the batch's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from helpers.capstone import solutions
+    sharded = solutions.layouts.apply_fsdp
+
+    def apply_fsdp(model, mesh, **options):
+        sharded(model, mesh, **options)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+        return model
+
+    solutions.layouts.apply_fsdp = apply_fsdp
     return solutions.capstone(rank, world_size, job, directory, recompute)
 
 
@@ -199,16 +279,136 @@ def every_rank_alone(rank, world_size, job, directory, recompute):
     return losses, {name: value.detach().clone() for name, value in model.named_parameters()}
 
 
-@pytest.mark.soak  # each check launches 4 ranks several times
-@pytest.mark.parametrize(("mistake", "says"), [
-    (without_recomputation, "fewer bytes kept for backward with recompute:"),
-    (every_rank_alone, "without recompute, fewer bytes kept than one process keeps for half "
-                       "the batch: expected True, got False"),
-    (counting_from_zero_again, "the steps the second run trained"),
-    (clipping_each_ranks_pieces, "the second run's losses, by step: 4: expected"),
+WHOLE = "For the case kill_after=4: the whole run (recompute=False, never killed): "
+RESUMED = ("For the case kill_after=4: the resumed run (recompute=True, new processes on the "
+           "killed run's directory): ")
+RECOGNISED = "Hint: the whole run differs from one process already: "
+
+
+@pytest.mark.soak  # 4 ranks, once for a mistake in every step, three times for one in resuming
+@pytest.mark.parametrize(("mistake", "says", "hint"), [
+    # in every step: the whole run differs, its first wrong step named
+    pytest.param(clipping(every_ranks_pieces_summed), WHOLE + "its losses, by step: 2: expected",
+                 RECOGNISED + "the norm counts twice what both tp partners hold",
+                 id="the norm counts what both tp partners hold twice"),
+    pytest.param(clipping(each_ranks_own_norm), WHOLE + "its losses, by step: 2: expected",
+                 "Hint: step 1's loss is right and step 2's differs: the update of step 1",
+                 id="each rank clips by its own pieces' norm"),
+    pytest.param(without_clipping, WHOLE + "its losses, by step: 2: expected",
+                 RECOGNISED + "these are the losses of a run that does not clip",
+                 id="no clipping"),
+    pytest.param(losses(lambda value, group: value), WHOLE + "its losses, by step: 1: expected",
+                 RECOGNISED + "the losses are one data-parallel half's alone",
+                 id="the local half's loss"),
+    pytest.param(losses(summed), WHOLE + "its losses, by step: 1: expected",
+                 RECOGNISED + "the losses are twice the whole batch's: the two data-parallel "
+                              "halves' summed", id="the halves' losses summed"),
+    pytest.param(gradients_summed_over_the_halves, WHOLE + "its losses, by step: 8: expected",
+                 RECOGNISED + "the gradients are twice the whole batch's",
+                 id="the halves' gradients summed"),
+    pytest.param(every_rank_alone, WHOLE + "fewer bytes kept for backward than one process "
+                                           "keeps for half the batch: expected True, got False",
+                 "Hint: without recomputation a rank keeps as many bytes",
+                 id="every rank alone"),
+    # in resuming: the whole run matched, the resumed one differs
+    pytest.param(counting_from_zero_again,
+                 RESUMED + "the steps it trained: expected [4, 5, 6, 7, 8], got [1, 2, 3, 4, 5, "
+                           "6, 7, 8]",
+                 "Hint: the resumed run counted from step 1 again, on weights that were already "
+                 "trained", id="counting from zero again"),
+    pytest.param(resuming_without_the_optimizers_state,
+                 RESUMED + "its losses, by step: 5: expected",
+                 "Hint: these are the losses of a run that resumed step 3's weights with a new "
+                 "AdamW", id="no optimizer state in the checkpoint"),
+    pytest.param(without_recomputation,
+                 RESUMED + "fewer bytes kept for backward a step than the whole run keeps: "
+                           "expected True, got False",
+                 "Hint: with `recompute`, the blocks' activations must be recomputed",
+                 id="without recomputation"),
 ])
-def test_the_capstone_checker_rejects(mistake, says):
-    expect_rejection("capstone", mistake, says)
+def test_the_capstone_checker_rejects(mistake, says, hint):
+    """The message names the run that differed; the hint, the mistake."""
+    text = expect_rejection("capstone", mistake, says)
+    assert hint in text, text
+
+
+# The capstone's hints recognise a mistake by what it trains to, in one process: here each
+# result is made with reference.train itself (not the checker's simulation of the mistake), no
+# launch. float64 in one process, so a mistake's losses match the checker's simulation of it to
+# rounding (~1e-16 of each sum), far within the checker's 1e-9.
+
+def test_the_capstone_checker_knows_lesson_08s_plan():
+    """Which parameters the checker's simulation of a norm counting tp partners twice takes as
+    cut over tp: Megatron-LM's (the paper's section 3), written out here."""
+    names = {name for name, _ in reference.make_lm(vocab=64, dim=32, heads=4, layers=1,
+                                                    max_seq_len=16).named_parameters()}
+    cut = {f"blocks.0.{layer}.{kind}" for layer in (
+        "attention.q", "attention.k", "attention.v", "feed_forward.up") for kind in (
+        "weight", "bias")} | {"blocks.0.attention.out.weight", "blocks.0.feed_forward.down.weight"}
+    assert {name for name in names if capstone_exercises._cut_over_tp(name)} == cut & names
+
+
+def capstone_hint(kill_after, **changed):
+    """The hint the capstone checker gives for its expected result with `changed` elements
+    (by name: whole_losses, steps, resumed_losses)."""
+    exercise = exercises.exercises()["capstone"]
+    expected = exercise.expected(kill_after)
+    got = list(expected)
+    for name, value in changed.items():
+        got[{"whole_losses": 0, "steps": 3, "resumed_losses": 4}[name]] = value
+    return exercise.hint_for(tuple(got), expected, kill_after)
+
+
+def by_step(losses, first=1) -> dict:
+    return {step: loss for step, loss in enumerate(losses, start=first)}
+
+
+@pytest.mark.numerical
+def test_the_capstone_hints_name_a_mistake_in_every_step_by_what_it_trains_to():
+    model, batches = capstone_exercises.JOB.model(), capstone_exercises.JOB.batches()
+    clipped = reference.train(model, batches, reference.lm_loss,
+                              max_grad_norm=capstone_exercises.JOB.max_norm)
+    unclipped = reference.train(model, batches, reference.lm_loss)
+    assert "does not clip" in capstone_hint(4, whole_losses=by_step(unclipped.losses))
+    assert "the two data-parallel halves' summed" in capstone_hint(
+        4, whole_losses=by_step([2 * loss for loss in clipped.losses]))
+    shifted = by_step([loss * (1 + 1e-6) for loss in clipped.losses])  # no mistake of the list
+    assert capstone_hint(4, whole_losses=shifted).startswith(
+        "step 1's loss, computed before any update, already differs")
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("kill_after", [4, 6])
+def test_the_capstone_hint_names_a_checkpoint_without_the_optimizers_state(kill_after):
+    """One process trains to the newest checkpoint, then goes on with a new AdamW from its
+    weights: the losses of a resume that left the optimizer's state out."""
+    job, newest = capstone_exercises.JOB, kill_after // 3 * 3
+    model, batches = job.model(), job.batches()
+    before = reference.train(model, batches[:newest], reference.lm_loss,
+                             max_grad_norm=job.max_norm)
+    model.load_state_dict(before.parameters)
+    after = reference.train(model, batches[newest:], reference.lm_loss,
+                            max_grad_norm=job.max_norm)
+    assert capstone_hint(kill_after, resumed_losses=by_step(after.losses, newest + 1)).startswith(
+        f"these are the losses of a run that resumed step {newest}'s weights with a new AdamW")
+
+
+@pytest.mark.parametrize(("steps", "says"), [
+    (range(1, 9), "the resumed run started again from step 1, from the first weights"),
+    (range(5, 9), "the resumed run went on from step 5, after the last step the killed run "
+                  "finished"),
+    (range(3, 9), "the resumed run trained step 3 again"),
+    (range(4, 8), "the resumed run trained steps 4 to 7: the newest checkpoint was saved after "
+                  "step 3 (rank 3 died loading step 5's batch), so the resumed run trains steps "
+                  "4 to 8"),
+    ([], "the resumed run trained no step"),
+])
+def test_the_capstone_hint_says_which_steps_a_resumed_run_must_train(steps, says):
+    """(Killed loading step 5's batch, the newest checkpoint step 3's.) The losses of a run
+    that started again from scratch are the whole run's."""
+    whole = exercises.exercises()["capstone"].expected(4)[0]
+    losses = {step: whole[step] for step in steps}
+    assert capstone_hint(4, steps=list(steps), resumed_losses=losses).startswith(says)
 
 
 def until_a_step(directory, seconds: float = 60) -> None:
@@ -298,40 +498,91 @@ def test_make_train_stopped_by_ctrl_c_says_where_without_a_traceback(tmp_path):
 
 # --- the global norm exercise rejects typical mistakes ------------------------------------------
 
-def counting_shared_pieces_twice(rank, world_size, pieces, dp_rank, tp_rank):
-    import math
+def counting(counts):
+    """A global norm that adds the squares of each piece for which `counts(name, placements,
+    coordinate)` is true, then all-reduces them: one all_reduce of one number, as the task asks."""
+    def global_norm(rank, world_size, pieces):
+        import math
 
-    import torch.distributed as dist
+        import torch.distributed as dist
 
-    total = torch.zeros(1, dtype=torch.float64)
-    for piece in pieces.values():
-        total += piece.double().pow(2).sum()
-    dist.all_reduce(total)
-    return math.sqrt(total.item())
+        total = torch.zeros(1, dtype=torch.float64)
+        for name, piece in pieces.items():
+            if counts(name, piece.placements, piece.device_mesh.get_coordinate()):
+                total += piece.to_local().double().pow(2).sum()
+        dist.all_reduce(total)
+        return math.sqrt(total.item())
+
+    return global_norm
 
 
-def one_all_reduce_per_dimension(rank, world_size, pieces, dp_rank, tp_rank):
+def replicated_along_first(*dimensions):
+    """Counted on coordinate 0 of each of `dimensions` (0: dp, 1: tp) the piece is replicated
+    along; the others ignored."""
+    return lambda name, placements, coordinate: all(
+        coordinate[dim] == 0 for dim in dimensions if placements[dim].is_replicate())
+
+
+def by_dtensors_own_reduction(rank, world_size, pieces):
+    """Right, as DTensor computes it: its own reductions over dp, then tp (not dist.all_reduce:
+    the rule sees none)."""
+    return torch.nn.utils.get_total_norm(list(pieces.values())).full_tensor().item()
+
+
+def one_all_reduce_per_dimension(rank, world_size, pieces):
     """Right, as DTensor does it: over dp, then over tp (what the task's rule forbids)."""
     import math
 
     import torch.distributed as dist
 
-    dp_groups = [dist.new_group([dp * 2 + tp for dp in range(world_size // 2)]) for tp in (0, 1)]
-    tp_groups = [dist.new_group([dp * 2, dp * 2 + 1]) for dp in range(world_size // 2)]
-    blocks = sum(piece.double().pow(2).sum() for name, piece in pieces.items()
-                 if name.startswith("blocks."))
-    shared = sum(piece.double().pow(2).sum() for name, piece in pieces.items()
-                 if not name.startswith("blocks."))
-    total = torch.stack([blocks, shared])
-    dist.all_reduce(total, group=dp_groups[tp_rank])
-    blocks_only = total[:1].clone()
-    dist.all_reduce(blocks_only, group=tp_groups[dp_rank])
-    return math.sqrt((blocks_only + total[1]).item())
+    sums = torch.zeros(2, dtype=torch.float64)  # [cut over tp, replicated over tp]
+    mesh = None
+    for piece in pieces.values():
+        mesh = piece.device_mesh
+        dp_place, tp_place = piece.placements
+        if dp_place.is_shard() or mesh.get_coordinate()[0] == 0:
+            sums[int(tp_place.is_replicate())] += piece.to_local().double().pow(2).sum()
+    dist.all_reduce(sums, group=mesh.get_group("dp"))
+    cut = sums[:1].clone()
+    dist.all_reduce(cut, group=mesh.get_group("tp"))
+    return math.sqrt((cut + sums[1]).item())
 
 
 @pytest.mark.parametrize(("mistake", "says"), [
-    (counting_shared_pieces_twice, "Hint: does each piece count once?"),
-    (one_all_reduce_per_dimension, "rank 0's all_reduce calls held [2, 1] elements (2 calls)"),
+    pytest.param(counting(lambda name, placements, coordinate: True),
+                 "Hint: each piece counts once, however many ranks hold it",
+                 id="every piece on every rank"),
+    pytest.param(counting(lambda name, placements, coordinate: name.startswith("blocks.")
+                          or coordinate[1] == 0),
+                 "Hint: a name does not say how a piece is laid out",
+                 id="by name, the old rule"),
+    pytest.param(counting(replicated_along_first(1)),
+                 "Hint: a piece can be replicated over dp too", id="replicated over tp only"),
+    pytest.param(counting(replicated_along_first(0)),
+                 "Hint: a piece both tp partners hold (Replicate() on \"tp\") counts twice",
+                 id="replicated over dp only"),
+    pytest.param(by_dtensors_own_reduction,
+                 "rank 0's all_reduce calls held [] elements (0 calls)",
+                 id="DTensor's own reductions"),
+    pytest.param(one_all_reduce_per_dimension,
+                 "rank 0's all_reduce calls held [2, 1] elements (2 calls)",
+                 id="one all_reduce per dimension"),
 ])
 def test_the_global_norm_checker_rejects(mistake, says):
     expect_rejection("global_norm", mistake, says)
+
+
+def each_piece_made_whole(rank, world_size, pieces):
+    return {name: piece.full_tensor() for name, piece in pieces.items()}
+
+
+@pytest.mark.parametrize(("world_size", "seed"), [(4, 0), (8, 2)])
+def test_a_global_norm_piece_is_what_its_placements_say(world_size, seed):
+    """DTensor's own full_tensor() gathers each rank's pieces into the whole gradient that the
+    checker's expected norm is taken from: the placements say what each rank holds."""
+    exercise = exercises.exercises()["global_norm"]
+    with tempfile.TemporaryDirectory() as log_dir:
+        out = run(exercise.worker(each_piece_made_whole, log_dir), world_size, args=(seed,),
+                  show_output=False)
+    for whole in out:
+        torch.testing.assert_close(whole, capstone_exercises._gradients(seed), rtol=0, atol=0)

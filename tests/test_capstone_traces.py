@@ -40,7 +40,8 @@ def event(name, start, end, tid=MAIN, category="cpu_op"):
 # One rank, in microseconds: compute 0-10; a functional all-reduce launched at 12-15, in flight
 # on a gloo worker 14-35, waited for at 25-35 inside an rms_norm at 20-40; FSDP's synchronous
 # all-gather 50-60 (written twice, one inside the other, as under a dispatch mode), in flight
-# 50-58, inside an FSDP annotation 45-70 that is neither compute nor communication.
+# on its group's gloo worker 50-58, inside an FSDP annotation 45-70 that is neither compute nor
+# communication.
 HAND_MADE = [
     event("aten::mm", 0, 10),
     event("_c10d_functional::all_reduce", 12, 15), event("c10d::allreduce_", 13, 14),
@@ -49,7 +50,7 @@ HAND_MADE = [
     event("aten::rms_norm", 20, 40), event("_c10d_functional::wait_tensor", 25, 35),
     event("FSDP::pre_forward", 45, 70, category="user_annotation"),
     event("c10d::_allgather_base_", 50, 60), event("c10d::_allgather_base_", 51, 59),
-    event("gloo:all_gather", 50, 58, tid=WORKER, category="user_annotation"),
+    event("gloo:all_gather", 50, 58, tid=WORKER + 1, category="user_annotation"),
 ]
 
 
@@ -59,6 +60,37 @@ def test_a_hand_made_trace_splits_into_compute_communication_and_blocked_time():
     assert found["communication"] == [(14, 35), (50, 58)]
     assert found["blocked"] == [(12, 15), (25, 35), (50, 60)]
     assert traces.collectives(HAND_MADE) == {"c10d::allreduce_": 1, "c10d::_allgather_base_": 1}
+
+
+# Two process groups, each with a gloo worker of its own: FSDP2's all-gather launched at 1-2 and in
+# flight on FSDP_WORKER at 2-8, inside an autograd node (0-10) whose hook launched it and waits;
+# DTensor's all-gather launched at 12-14, in flight on TP_WORKER at 13-30 and waited for at 15-30;
+# FSDP2's reduce-scatter launched at 40-41 and in flight at 41-50, outside any operation.
+FSDP_WORKER, TP_WORKER = 3, 4
+OWNED = [
+    event("autograd::engine::evaluate_function: AddBackward0", 0, 10),
+    event("c10d::_allgather_base_", 1, 2),
+    event("gloo:all_gather", 2, 8, tid=FSDP_WORKER, category="user_annotation"),
+    event("_c10d_functional::all_gather_into_tensor", 12, 14),
+    event("c10d::allgather_into_tensor_coalesced_", 12.5, 13.5),
+    event("gloo:all_gather", 13, 30, tid=TP_WORKER, category="user_annotation"),
+    event("_c10d_functional::wait_tensor", 15, 30),
+    event("c10d::_reduce_scatter_base_", 40, 41),
+    event("gloo:all_reduce", 41, 50, tid=FSDP_WORKER, category="user_annotation"),
+]
+
+
+def test_owners_split_communication_by_the_group_whose_launches_it_follows():
+    assert traces.thread_owners(OWNED) == {FSDP_WORKER: "FSDP2", TP_WORKER: "DTensor"}
+    assert traces.intervals(OWNED)["compute"] == [(0, 1), (8, 10)]  # not while FSDP2 waits
+    found = traces.owners(OWNED)
+    assert found["FSDP2"] == {"communication": [(2, 8), (41, 50)], "overlap": [],
+                              "exposed": [(2, 8), (41, 50)], "waiting": [(1, 8), (40, 50)]}
+    assert found["DTensor"] == {"communication": [(13, 30)], "overlap": [],
+                                "exposed": [(13, 30)], "waiting": [(12, 14), (15, 30)]}
+    # the rank's exposed time, 2-8, 13-30 and 41-50, by where its computing thread was
+    assert found["exposed_where"] == {"FSDP2": [(2, 8), (41, 50)],
+                                      "DTensor": [(13, 14), (15, 30)], "elsewhere": [(14, 15)]}
 
 
 def test_breakdown_reads_the_file_and_gives_seconds():
@@ -74,6 +106,8 @@ def test_breakdown_reads_the_file_and_gives_seconds():
             json.dump(trace, file)
         got = traces.breakdown(path)
     assert got.pop("collectives") == {"c10d::allreduce_": 1, "c10d::_allgather_base_": 1}
+    # the exposed time, split by where the computing thread was, adds up to it
+    assert sum(got.pop("owners")["exposed_where"].values()) == pytest.approx(24e-6)
     # communication 21 + 8; of it, 20-25 under compute; the rest exposed
     assert got == pytest.approx({"compute_s": 20e-6, "communication_s": 29e-6,
                                  "overlap_s": 5e-6, "exposed_s": 24e-6, "blocked_s": 23e-6,
@@ -133,11 +167,15 @@ def profiled_step_worker(rank, world_size, layers):
         path = os.path.join(directory, f"rank{rank}.json")
         profiler.export_chrome_trace(path)
         found = traces.breakdown(path)
-        transfers = [event["name"] for event in traces.read_trace(path)
-                     if event["name"].startswith(traces.GLOO)]
+        events = traces.read_trace(path)
+        transfers = [event["name"] for event in events if event["name"].startswith(traces.GLOO)]
+        owned = traces.thread_owners(events)
+        by_owner = [owned[event["tid"]] for event in events
+                    if event["name"].startswith(traces.GLOO)]
     with CommDebugMode() as comm:
         train_step(model, optimizer, tokens, plan)
     return {**found, "gloo": {name: transfers.count(name) for name in set(transfers)},
+            "transfers_by_owner": {owner: by_owner.count(owner) for owner in set(by_owner)},
             "observer": seen.calls(),
             "comm_debug": {str(op): count for op, count in comm.get_comm_counts().items()}}
 
@@ -164,6 +202,11 @@ def test_a_profiled_step_holds_every_collective_the_formula_and_both_counters_co
             "c10d_functional.reduce_scatter_tensor":
                 expected["c10d::reduce_scatter_tensor_coalesced_"],
             "c10d_functional.all_reduce": expected["c10d::allreduce_"]}
+        # the "dp" group's workers carry FSDP2's collectives and the norm's all-reduce over dp
+        fsdp2 = expected["c10d::_allgather_base_"] + expected["c10d::_reduce_scatter_base_"]
+        assert got["transfers_by_owner"] == {"FSDP2": fsdp2 + 1,
+                                             "DTensor": sum(expected.values()) - fsdp2 - 1}
+        assert sum(got["owners"]["exposed_where"].values()) == pytest.approx(got["exposed_s"])
         assert 0 < got["overlap_s"] <= min(got["compute_s"], got["communication_s"])
         assert got["overlap_s"] + got["exposed_s"] == pytest.approx(got["communication_s"])
         assert got["overlap_share"] == pytest.approx(got["overlap_s"] / got["communication_s"])

@@ -13,8 +13,8 @@ from helpers.lessons import lessons
 
 # Checked by the soak tier, to keep make test within its 8 minutes: lesson 13's layout exercise,
 # whose reference solution runs a dozen fake steps of Llama 3 8B (a minute and more), its checker's
-# rejections in make test (tests/test_at_scale.py); lesson 14's capstone, six launches of 4 ranks
-# (30 s), its checker's rejections in the soak tier too (tests/test_capstone.py); lesson 12's
+# rejections in make test (tests/test_at_scale.py); lesson 14's capstone, five launches of 4 ranks
+# (20 s), its checker's rejections in the soak tier too (tests/test_capstone.py); lesson 12's
 # resumable (16 s) and lesson 11's scaled_step (11 s), whose rejections make test runs.
 SLOW = {"choose_plan", "capstone", "resumable", "scaled_step"}
 # Lesson 15's checkers need Slurm (scontrol; a cluster they start): the cluster tier runs their

@@ -34,4 +34,6 @@ BUILDS_ON = {
     "checkpoints_and_failures.elastic:run_torchrun": "lesson 12's torchrun job",
     "checkpoints_and_failures.elastic:torchrun_command": "lesson 12's torchrun job",
     "checkpoints_and_failures.elastic:torchrun_environment": "lesson 12's torchrun job",
+    "tensor_parallelism.megatron:plan_style": "lesson 08's plan, which the capstone exercise's "
+                                              "reference solution lays out",
 }

@@ -10,8 +10,9 @@
 - `Corpus.batch(split, step, sequences, seq_len, seed)`: `sequences` windows of seq_len + 1
   bytes at offsets drawn from a generator seeded by (seed, step): the same batch for a given
   step on every rank and after any restart, so a resumed run needs no sampler state.
-- `unigram_bits(corpus)`: the baseline a model must beat: the validation text's cross-entropy
-  under the training text's byte frequencies (add-one smoothed), in bits per byte.
+- `unigram_bits(corpus, windows=None)`: the baseline a model must beat: the validation text's
+  cross-entropy under the training text's byte frequencies (add-one smoothed), in bits per
+  byte; with `windows` (a batch of it), on the bytes a model is scored on there, its targets.
 """
 
 from __future__ import annotations
@@ -87,10 +88,13 @@ def bits_per_byte(nats_per_token: float) -> float:
     return nats_per_token / math.log(2)
 
 
-def unigram_bits(corpus: Corpus) -> float:
+def unigram_bits(corpus: Corpus, windows: torch.Tensor | None = None) -> float:
     """Bits per byte of the validation text under the training text's byte frequencies (each
-    count plus one, so that no byte has probability 0)."""
+    count plus one, so that no byte has probability 0); with `windows`, (sequences, seq_len +
+    1) tokens as Corpus.batch draws them, of the bytes predicted there (windows[:, 1:]): the
+    baseline on the very bytes a model's validation loss is measured on."""
     counts = torch.bincount(corpus.train.long(), minlength=VOCAB).double() + 1
     probabilities = counts / counts.sum()
-    seen = torch.bincount(corpus.validation.long(), minlength=VOCAB).double()
+    scored = corpus.validation if windows is None else windows[:, 1:].flatten()
+    seen = torch.bincount(scored.long(), minlength=VOCAB).double()
     return float(-(seen * probabilities.log2()).sum() / seen.sum())

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import tempfile
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
 
 from helpers import reference
-from helpers.exercises import Exercise
+from helpers import rules as rules_module
+from helpers.exercises import Exercise, _compare
 from helpers.instrument import saved_activations
 from helpers.launcher import run
 from helpers.launcher.report import WorkerError
-from helpers.rules import CallSizes, Only
+from helpers.rules import CallRecorder, CallSizes, Only
+from helpers.tensor_parallelism.megatron import plan_style
 
 EXERCISES = {}
 
@@ -64,6 +69,23 @@ class CapstoneJob:
 JOB = CapstoneJob()
 # (kill_after,): mid-way, after the checkpoint of step 3; just after the last checkpoint (6)
 KILL_CASES = [(4,), (6,)]
+# float64 against one process: rounding ~1e-16 of each sum (helpers.tolerance), and AdamW's
+# amplification of it over 8 steps, stay far below 1e-9 (a right run is ~1e-14 from the
+# reference); a typical mistake moves a loss by 2e-9 (gradients twice the batch's, which clipping
+# and AdamW all but cancel) to 1e-2
+REL_TOL = 1e-9
+
+WHOLE = "the whole run (recompute=False, never killed)"
+KILLED = "the killed run (recompute=True, rank 3 killed while it loads a batch)"
+RESUMED = "the resumed run (recompute=True, new processes on the killed run's directory)"
+NAMES = (f"{WHOLE}: its losses, by step",
+         f"{WHOLE}: its weights at the end",
+         f"{WHOLE}: fewer bytes kept for backward than one process keeps for half the batch",
+         f"{RESUMED}: the steps it trained",
+         f"{RESUMED}: its losses, by step",
+         f"{RESUMED}: its weights at the end",
+         f"{RESUMED}: fewer bytes kept for backward a step than {WHOLE.split(' (')[0]} keeps")
+NOT_RUN = "not run: the whole run differed already"
 
 
 def _kept_and_result(function):
@@ -80,6 +102,10 @@ def _kept_and_result(function):
     return worker
 
 
+class RankError(Exception):
+    """A rank raised in one of the checker's runs; the message says which run."""
+
+
 def _run(function, job, directory, recompute, which):
     """One launch of the learner's loop; a rank's error says which of the checker's runs it
     was (`which`)."""
@@ -89,48 +115,73 @@ def _run(function, job, directory, recompute, which):
     except WorkerError as error:
         if error.type_name == "NotImplementedError":
             raise NotImplementedError from None  # not started: the engine says so kindly
-        if error.type_name == "died" and which == FIRST:
+        if error.type_name == "died" and which == KILLED:
             raise
         raise RankError(f"in {which}, {error}") from None
 
 
-class RankError(Exception):
-    """A rank raised in one of the checker's runs; the message says which run."""
+def _returned(result, which) -> str | None:
+    """What is wrong with the shape of rank 0's result, or None."""
+    if (isinstance(result, (tuple, list)) and len(result) == 2
+            and isinstance(result[0], dict) and isinstance(result[1], dict)):
+        return None
+    return (f"in {which}, your function returned {type(result).__name__} {str(result)[:60]}; "
+            "the task asks for a tuple (losses, weights)")
 
 
-FIRST = "the first run (recompute=True, rank 3 killed)"
+# the learner's function -> its whole run, made in the first case and reused in the next (the
+# same function, in the same check: the first case always runs it again)
+_WHOLE_RUNS = weakref.WeakKeyDictionary()
+
+
+def _whole_run(function):
+    """The learner's loop on 4 ranks, whole, without recomputation, in a directory of its own:
+    (losses, weights, the most bytes a rank kept for backward a step), or a message."""
+    with tempfile.TemporaryDirectory(prefix="helpers-capstone-") as directory:
+        plain = _run(function, JOB, directory, False, WHOLE)
+    problem = _returned(plain[0][0], WHOLE)
+    if problem:
+        return problem
+    losses, weights = plain[0][0]
+    return losses, weights, max(kept for _, kept in plain) / JOB.steps
 
 
 def _interrupted(function, kill_after):
-    """Run the learner's loop with recomputation on 4 ranks, rank 3 killed after step
-    `kill_after`; then again in new processes on the same directory, as torchrun would; then once
-    more, whole, without recomputation. Returns the second run's steps, losses and final weights,
-    whether recomputation kept fewer bytes a step than the whole run without it, and whether
-    that run kept fewer than one process does for half the batch."""
+    """First the learner's loop whole, without recomputation (made once per check: the first
+    case runs it), compared with one process step by step: a mistake in every step shows there,
+    before any kill. Then, where it matched, with recomputation on 4 ranks, rank 3 killed after
+    step `kill_after`; then again in new processes on the same directory, as torchrun would.
+    Returns the whole run's losses, weights and whether it kept fewer bytes a step than one
+    process does for half the batch; the resumed run's steps, losses and final weights, and
+    whether it kept fewer bytes a step than the whole run without recomputation."""
+    if kill_after == KILL_CASES[0][0] or function not in _WHOLE_RUNS:
+        _WHOLE_RUNS[function] = _whole_run(function)
+    whole = _WHOLE_RUNS[function]
+    if isinstance(whole, str):
+        return whole
+    losses, weights, without = whole
+    first = (losses, weights, without < _half_batch_bytes())
+    if _compare(first, _uninterrupted(kill_after)[:3], NAMES[:3], REL_TOL):
+        return (*first, NOT_RUN, NOT_RUN, NOT_RUN, NOT_RUN)
     with tempfile.TemporaryDirectory(prefix="helpers-capstone-") as directory:
         try:
-            _run(function, replace(JOB, kill_after=kill_after), directory, True, FIRST)
+            _run(function, replace(JOB, kill_after=kill_after), directory, True, KILLED)
         except WorkerError:  # rank 3 died, as it should
             pass
         else:
-            return "the first run finished: did it load each step's batch with job.batch(step)?"
-        resumed = _run(function, JOB, directory, True,
-                       "the second run (recompute=True, resumed after the kill)")
-    with tempfile.TemporaryDirectory(prefix="helpers-capstone-") as directory:
-        plain = _run(function, JOB, directory, False, "the whole run with recompute=False")
-    result = resumed[0][0]
-    if not (isinstance(result, (tuple, list)) and len(result) == 2
-            and isinstance(result[0], dict) and isinstance(result[1], dict)):
-        return (f"your function returned {type(result).__name__} {str(result)[:60]}; the task "
-                "asks for a tuple (losses, weights)")
-    losses, weights = result
+            return (f"{KILLED.split(' (')[0]} finished: did it load each step's batch with "
+                    "job.batch(step)?")
+        resumed = _run(function, JOB, directory, True, RESUMED)
+    problem = _returned(resumed[0][0], RESUMED)
+    if problem:
+        return problem
+    losses, weights = resumed[0][0]
     # bytes a step, on the rank that kept the most
     with_recompute = max(kept for _, kept in resumed) / max(1, len(losses))
-    without = max(kept for _, kept in plain) / JOB.steps
-    return (sorted(losses), losses, weights, with_recompute < without,
-            without < _half_batch_bytes())
+    return (*first, sorted(losses), losses, weights, with_recompute < without)
 
 
+@functools.cache
 def _half_batch_bytes() -> float:
     """The bytes one process keeps for backward in a step on half of each batch (a copy of it),
     with no recomputation: what data parallelism alone would leave each rank."""
@@ -145,14 +196,223 @@ def _half_batch_bytes() -> float:
     return sum(size for _, size, _ in saved) / len(batches)
 
 
-def _uninterrupted(kill_after):
+@functools.cache
+def _reference_run() -> reference.TrainingRun:
     """One process, no layout: reference.train on the whole batches, clipped as the job says."""
+    return reference.train(JOB.model(), JOB.batches(), reference.lm_loss,
+                           max_grad_norm=JOB.max_norm)
+
+
+def _newest_checkpoint(kill_after: int) -> int:
+    """The step of the newest checkpoint when rank 3 dies loading step kill_after + 1's batch."""
+    return kill_after // JOB.save_every * JOB.save_every
+
+
+def _uninterrupted(kill_after):
+    trained = _reference_run()
+    losses = {step: loss for step, loss in enumerate(trained.losses, start=1)}
+    steps = list(range(_newest_checkpoint(kill_after) + 1, JOB.steps + 1))
+    return (losses, trained.parameters, True,
+            steps, {step: losses[step] for step in steps}, trained.parameters, True)
+
+
+# --- what a typical mistake trains to: the job in one process, as the mistake computes it -------
+
+def _cut_over_tp(name: str) -> bool:
+    """Whether lesson 08's plan, which the reference solution lays out, cuts parameter `name`
+    (blocks.0.attention.q.weight) over tp: a column layer's weight and bias, a row layer's
+    weight; the rest (a row layer's bias, the norms, the embeddings, the head) both tp partners
+    hold whole."""
+    layer, _, kind = name.rpartition(".")
+    style = plan_style(layer) if name.startswith("blocks.") else None
+    return style == "column" or (style == "row" and kind == "weight")
+
+
+@functools.cache
+def _simulated(copies: tuple | None = None, clipped: bool = True, gradient_scale: float = 1.0,
+               fresh_optimizer_after: int | None = None, counted_from: int = 0) -> dict:
+    """The job trained in one process as a typical mistake trains it (all defaults: as
+    reference.train does, to the bit): the norm of `copies` = (how many times it counts a
+    gradient lesson 08's plan cuts over tp, how many one it does not), no clipping, gradients
+    `gradient_scale` times the whole batch's, or AdamW started afresh after step
+    `fresh_optimizer_after` (a checkpoint without its state), its moments zero and its step
+    count `counted_from`. Returns {step: (the whole batch's loss, data-parallel half 0's, half
+    1's)}: a tenth of a second."""
     model, batches = JOB.model(), JOB.batches()
-    trained = reference.train(model, batches, reference.lm_loss, max_grad_norm=JOB.max_norm)
-    resumed_after = kill_after // JOB.save_every * JOB.save_every
-    steps = list(range(resumed_after + 1, JOB.steps + 1))
-    return (steps, {step: trained.losses[step - 1] for step in steps}, trained.parameters, True,
-            True)
+    optimizer = JOB.optimizer(model.parameters())
+    losses = {}
+    for step, batch in enumerate(batches, start=1):
+        if step - 1 == fresh_optimizer_after:
+            optimizer = JOB.optimizer(model.parameters())
+            for _ in range(counted_from):
+                _zero_step(optimizer)
+        with torch.no_grad():
+            halves = [reference.lm_loss(model(half.inputs), half.targets).item()
+                      for half in (batch.shard(0, 2), batch.shard(1, 2))]
+        optimizer.zero_grad()
+        loss = reference.lm_loss(model(batch.inputs), batch.targets)
+        (loss * gradient_scale).backward()
+        if copies is not None:
+            norm = torch.linalg.vector_norm(torch.stack([
+                parameter.grad.norm() * math.sqrt(copies[0] if _cut_over_tp(name) else copies[1])
+                for name, parameter in model.named_parameters()]))
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), JOB.max_norm, norm)
+        elif clipped:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), JOB.max_norm)
+        optimizer.step()
+        losses[step] = (loss.item(), *halves)
+    return losses
+
+
+def _zero_step(optimizer) -> None:
+    """A step of zero gradients at a learning rate of 0: the moments stay zero, the step count
+    goes up, the weights do not move. DCP's get_state_dict does this to a new optimizer, to make
+    its state (torch/distributed/checkpoint/state_dict.py, _init_optim_state): a checkpoint that
+    leaves the optimizer out but reads the model's state with get_state_dict resumes with it."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _matches(got: dict, simulated: dict, which: int = 0) -> bool:
+    """Whether every loss in `got` is the simulation's (`which`: 0 the whole batch's, 1 and 2
+    the halves'), as near as a right run is to one process."""
+    return all(step in simulated and not _compare(loss, simulated[step][which], rel_tol=REL_TOL)
+               for step, loss in got.items())
+
+
+TWICE = ("the norm counts twice what both tp partners hold: the embeddings, the head, the norms "
+         "and a row layer's bias are whole on both, and each adds its squares. Count a piece "
+         "that is replicated over a mesh dimension on one rank of it (or let DTensor do it: "
+         "clip_to_norm, lesson 13).")
+# (the mistake, recognised by its losses in the whole run: a function of them; its hint)
+WHOLE_RUN_MISTAKES = (
+    (lambda got: _matches(got, _simulated(), 1) or _matches(got, _simulated(), 2),
+     "the losses are one data-parallel half's alone, trained right: each step's loss is the "
+     "whole batch's, the mean of the two halves' (an all_reduce with ReduceOp.AVG over dp)."),
+    (lambda got: _matches({step: loss / 2 for step, loss in got.items()}, _simulated()),
+     "the losses are twice the whole batch's: the two data-parallel halves' summed, where the "
+     "batch's loss is their mean."),
+    (lambda got: _matches(got, _simulated(copies=(1, 2))), TWICE),
+    (lambda got: _matches(got, _simulated(copies=(2, 2))),
+     "the norm counts every gradient once per data-parallel rank: each rank's pieces are cut "
+     "over dp (FSDP) or, kept whole on both dp ranks, must count once."),
+    (lambda got: _matches(got, _simulated(copies=(2, 4))),
+     "the norm counts every copy of every piece: both tp partners' and both dp ranks'. Count "
+     "each element of the whole model's gradients once."),
+    (lambda got: _matches(got, _simulated(clipped=False)),
+     "these are the losses of a run that does not clip: step 1 matches (no update yet), then "
+     "each step differs by what clipping to job.max_norm would have changed."),
+    (lambda got: _matches(got, _simulated(gradient_scale=2.0)),
+     "the gradients are twice the whole batch's: the two data-parallel halves' summed, where "
+     "the batch's are their mean (a loss summed over dp, or an all_reduce without dividing). "
+     "Clipping and AdamW all but cancel a factor, not quite: the last steps' losses are 1e-9 "
+     "off."),
+)
+
+
+def _first_wrong(got: dict, expected: dict) -> int | None:
+    """The first step whose loss differs (the steps in `expected`), or None."""
+    return next((step for step in sorted(expected)
+                 if _compare(got.get(step), expected[step], rel_tol=REL_TOL)), None)
+
+
+def _whole_run_hint(losses, weights, expected_losses) -> str | None:
+    if not isinstance(losses, dict) or set(losses) != set(expected_losses):
+        return (f"a run's losses are {{step: loss}} for each step it trained, counted from 1: the "
+                f"whole run trains steps 1 to {JOB.steps}.")
+    for recognised, hint in WHOLE_RUN_MISTAKES:
+        if recognised(losses):
+            return f"{WHOLE.split(' (')[0]} differs from one process already: {hint}"
+    step = _first_wrong(losses, expected_losses)
+    if step == 1:
+        return ("step 1's loss, computed before any update, already differs: is it the whole "
+                "batch's next-token loss (reference.lm_loss), the mean of the two data-parallel "
+                "halves', from job.batch(0)?")
+    if step is not None:
+        return (f"step 1's loss is right and step {step}'s differs: the update of step "
+                f"{step - 1} differs from one process's. Are the gradients the whole batch's "
+                "(the halves' averaged), clipped by the norm of every gradient of the whole "
+                "model, each rank's pieces counted once, then an AdamW step "
+                "(job.optimizer)?")
+    return ("the losses are right but the weights are not: are they the weights after the last "
+            "step, each whole (DTensor.full_tensor()) and named as in job.model()?")
+
+
+def _resumed_hint(steps, losses, expected, kill_after) -> str | None:
+    newest = _newest_checkpoint(kill_after)
+    after = (f"the newest checkpoint was saved after step {newest} (rank 3 died loading step "
+             f"{kill_after + 1}'s batch), so the resumed run trains steps {newest + 1} to "
+             f"{JOB.steps}")
+    if steps != expected[3]:
+        first = steps[0] if steps else None
+        if not steps:
+            return f"the resumed run trained no step: {after}."
+        if first == 1:
+            if _matches(losses, _simulated()):
+                return (f"the resumed run started again from step 1, from the first weights: "
+                        f"did it find the newest checkpoint in `directory` and load it? {after}.")
+            return (f"the resumed run counted from step 1 again, on weights that were already "
+                    f"trained: {after}, on job.batch({newest}) first: the step to go on from "
+                    f"is the checkpoint's.")
+        if first == kill_after + 1 != newest + 1:
+            return (f"the resumed run went on from step {first}, after the last step the killed "
+                    f"run finished; but what that run did after its last checkpoint died with "
+                    f"it: {after}.")
+        if first == newest:
+            return (f"the resumed run trained step {newest} again: the checkpoint of step "
+                    f"{newest} holds the weights after that step's update. {after}.")
+        if first == newest + 2:
+            return (f"the resumed run skipped step {newest + 1}: {after}, step s on "
+                    "job.batch(s - 1).")
+        return f"the resumed run trained steps {steps[0]} to {steps[-1]}: {after}."
+    if _compare(losses, expected[4], rel_tol=REL_TOL):
+        if any(_matches(losses, _simulated(fresh_optimizer_after=newest, counted_from=count))
+               for count in (0, 1)):
+            return (f"these are the losses of a run that resumed step {newest}'s weights with a "
+                    f"new AdamW (its moments zero): step {newest + 1} matches, then each "
+                    "differs. The checkpoint must hold the optimizer's state too (its moments "
+                    "and step count), saved and loaded with the model's.")
+        step = _first_wrong(losses, expected[4])
+        if step == newest + 1:
+            return (f"the resumed run's first step, {step}, already differs, and the whole run's "
+                    f"matched: its loss comes from the weights it loaded, before any update. "
+                    f"Are they the weights after step {newest}, saved after its optimizer step?")
+        return (f"the resumed run's first step matches and step {step} differs, while the whole "
+                "run matched: what else does a step carry to the next? AdamW's state (its "
+                "moments and step count) must be in the checkpoint, and loaded.")
+    return ("the resumed run's losses are right but its weights are not: are they the weights "
+            "after the last step, each whole (DTensor.full_tensor()), named as in job.model()?")
+
+
+def _capstone_hint(got, expected, kill_after) -> str | None:
+    """A hint for the first thing that differs: the whole run's (a mistake in every step,
+    recognised by computing what it trains to in one process), then the resumed run's."""
+    if not isinstance(got, tuple) or len(got) != len(expected):
+        return None  # the harness's own message says what went wrong
+    wrong = next((index for index, (one, want) in enumerate(zip(got, expected))
+                  if _compare(one, want, rel_tol=REL_TOL)), None)
+    if wrong in (0, 1):
+        return _whole_run_hint(got[0], got[1], expected[0])
+    if wrong == 2:
+        return ("without recomputation a rank keeps as many bytes as one process keeps for half "
+                "the batch, or more: that is data parallelism alone. Tensor parallelism must cut "
+                "what the blocks keep too (lesson 08: each tp rank holds half of the heads and "
+                "half of the MLP's hidden units).")
+    if wrong in (3, 4, 5):
+        return _resumed_hint(got[3], got[4], expected, kill_after)
+    if wrong == 6:
+        return ("with `recompute`, the blocks' activations must be recomputed in backward "
+                "(torch.utils.checkpoint, lesson 11), so that autograd keeps less than the run "
+                "without it.")
+    return None
 
 
 EXERCISES["capstone"] = Exercise(
@@ -170,69 +430,183 @@ EXERCISES["capstone"] = Exercise(
     "step, and resumes from the newest one there. It returns a tuple (losses, weights): {step: "
     "the whole batch's loss} for the steps this run trained (counted from 1, Python floats), "
     "and {name: whole weight} named as in job.model(); any rank may be any coordinate of the "
-    "mesh. The checker runs it with `recompute` and kills rank 3 while it loads a batch (kill_"
-    "after = k: step k + 1's; k = 4, then 6), starts it again in new processes on the same "
-    "directory: that run must start after the newest checkpoint and end as one process trains "
-    "(reference.train), loss for loss and weight for weight; then it runs it whole without "
-    "`recompute`. It counts the bytes autograd keeps for backward on every rank, as they are "
-    "saved (saved tensors hooks: a checkpointed region's are not seen)",
+    "mesh. The checker first runs it whole without `recompute`, which must train as one "
+    "process does (reference.train), loss for loss and weight for weight; then with "
+    "`recompute`, killing rank 3 while it loads a batch (kill_after = k: step k + 1's; k = 4, "
+    "then 6), and again in new processes on the same directory: that run must start after the "
+    "newest checkpoint and end as one process does. It counts the bytes autograd keeps for "
+    "backward on every rank, as they are saved (saved tensors hooks: a checkpointed region's "
+    "are not seen)",
     KILL_CASES,
     _uninterrupted,
     distributed=False,
     harness=_interrupted,
-    names=("the steps the second run trained", "the second run's losses, by step",
-           "the weights at the end", "fewer bytes kept for backward with recompute",
-           "without recompute, fewer bytes kept than one process keeps for half the batch"),
-    rel_tol=1e-9,  # float64 against one process: rounding ~1e-16 of each sum (helpers.tolerance)
+    names=NAMES,
+    rel_tol=REL_TOL,
     timeout=300,
-    hint="which steps did the second run train, and did it load the optimizer's state too? "
-         "The loss and the gradients are the whole batch's: each data-parallel half's, "
-         "averaged. The gradients' global norm takes every rank's pieces, once each (a model "
-         "laid out in part has gradients on two meshes: lesson 13's accounting.clip_to_norm "
-         "norms each mesh's apart).",
+    hint="each run is compared with one process: the whole run step by step, then the run "
+         "resumed after the kill. The loss and the gradients are the whole batch's: each "
+         "data-parallel half's, averaged. The gradients' global norm takes every rank's "
+         "pieces, once each. A checkpoint holds the weights and AdamW's state, and the resumed "
+         "run goes on from the step after it.",
+    hint_for=_capstone_hint,
 )
 
 
 # --- one norm over two mesh dimensions ----------------------------------------------------------
 
 NORM_CASES = [(4, (0,)), (4, (1,)), (8, (2,))]  # (world size, (seed,)): dp 2 or 4, tp 2
+TP = 2
+
+# name -> (the whole gradient's shape, its placements on the mesh ("dp", "tp")). Shard(0) over dp
+# is FSDP's; over tp a row layer's weight is cut by columns (Shard(1)) and a column layer's by
+# rows (Shard(0)), while a row layer's bias is whole on both tp partners; one layer is kept whole
+# on every dp rank (as DDP keeps it), the final norm's weight on every rank. The names do not
+# say which: a block's bias is replicated over tp, and a block's weight over dp.
+NORM_LAYOUT = {
+    "token_embedding.weight": ((16, 4), (Shard(0), Replicate())),
+    "blocks.0.attention.out.weight": ((8, 6), (Shard(0), Shard(1))),
+    "blocks.0.attention.out.bias": ((8,), (Shard(0), Replicate())),
+    "blocks.0.feed_forward.up.weight": ((8, 6), (Replicate(), Shard(0))),
+    "norm.weight": ((8,), (Replicate(), Replicate())),
+    "head.weight": ((8, 16), (Shard(0), Replicate())),
+}
 
 
 def _gradients(seed: int) -> dict:
-    """A model's whole gradients: two blocks' weights, cut over dp (rows) and tp (columns); an
-    embedding and a head cut over dp only, the same piece on both tp partners."""
+    """A model's whole gradients, float32, laid out as NORM_LAYOUT says."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = {"blocks.0.weight": (8, 6), "blocks.1.weight": (8, 6), "embedding.weight": (16, 4),
-              "head.weight": (8, 16)}
-    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    return {name: torch.randn(shape, generator=generator)
+            for name, (shape, _) in NORM_LAYOUT.items()}
 
 
-def _norm_pieces(rank, world_size, seed):
-    """What a rank of the dp x tp mesh holds, rank = dp_rank x 2 + tp_rank."""
-    dp, tp = world_size // 2, 2
-    dp_rank, tp_rank = divmod(rank, tp)
-    pieces = {}
-    for name, whole in _gradients(seed).items():
-        rows = whole.chunk(dp, dim=0)[dp_rank]
-        pieces[name] = rows.chunk(tp, dim=1)[tp_rank] if name.startswith("blocks.") else rows
-    return pieces, dp_rank, tp_rank
+def _local(whole: torch.Tensor, placements, coordinate, mesh_shape) -> torch.Tensor:
+    """What the rank at `coordinate` holds of `whole`: cut dimension by dimension of the mesh, as
+    DTensor cuts it (Shard(d): the coordinate's equal chunk along d; Replicate(): all of it)."""
+    local = whole
+    for placement, where, size in zip(placements, coordinate, mesh_shape):
+        if placement.is_shard():
+            local = local.chunk(size, dim=placement.dim)[where]
+    return local
+
+
+def _norm_inputs(seed, mesh, device):
+    """This rank's pieces: {name: a DTensor on `mesh`}, made from the whole gradients that every
+    rank draws alike, without communication."""
+    from torch.distributed.tensor import DTensor
+
+    coordinate = mesh.get_coordinate()
+    return {name: DTensor.from_local(
+        _local(whole, NORM_LAYOUT[name][1], coordinate, mesh.shape).to(device), mesh,
+        NORM_LAYOUT[name][1], run_check=False, shape=whole.shape, stride=whole.stride())
+        for name, whole in _gradients(seed).items()}
 
 
 def _norm_expected(rank, world_size, seed):
     return math.sqrt(sum(float(whole.double().pow(2).sum()) for whole in _gradients(seed).values()))
 
 
-EXERCISES["global_norm"] = Exercise(
-    "global_norm(rank, world_size, pieces, dp_rank, tp_rank) returns, on every rank, the global "
-    "norm of a model's whole gradients, as a Python float, from the pieces each rank of a dp x "
-    "tp mesh holds (tp = 2, rank = dp_rank x 2 + tp_rank): `pieces` maps a name to this rank's "
-    "piece; a name starting with \"blocks.\" is cut over both dp and tp (every rank holds a "
-    "piece of its own), the others over dp only (both tp partners hold the same piece). It "
-    "uses one all_reduce, of one number, and no other communication: the two mesh dimensions "
-    "as one, which is what DTensor's \"2 sequential all_reduce\" warning asks for",
+@dataclass
+class MeshExercise(Exercise):
+    """The ranks' inputs are DTensors on a ("dp", "tp") mesh of world_size // 2 x 2, which each
+    rank builds (init_device_mesh, on the launcher's device) before the learner's function is
+    watched: the mesh's groups are the checker's, not the learner's communication."""
+
+    def worker(self, function, log_dir: str):
+        task_rules = self.rules
+
+        def build_then_call(rank, world_size, seed):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from helpers.launcher.result import get_device
+
+            device = get_device()
+            mesh = init_device_mesh(device.type, (world_size // TP, TP),
+                                    mesh_dim_names=("dp", "tp"))
+            pieces = _norm_inputs(seed, mesh, device)
+            with CallRecorder(task_rules, rules_module.log_path(log_dir, rank), function):
+                return function(rank, world_size, pieces)
+
+        return build_then_call
+
+
+def _counted(world_size, seed, counts) -> float:
+    """The norm a rule of counting gives: every rank's pieces that `counts(name, placements,
+    coordinate)` takes, their squares summed over the mesh (float64), the square root."""
+    mesh_shape = (world_size // TP, TP)
+    total = 0.0
+    for coordinate in ((dp, tp) for dp in range(mesh_shape[0]) for tp in range(TP)):
+        for name, whole in _gradients(seed).items():
+            placements = NORM_LAYOUT[name][1]
+            if counts(name, placements, coordinate):
+                local = _local(whole, placements, coordinate, mesh_shape)
+                total += float(local.double().pow(2).sum())
+    return math.sqrt(total)
+
+
+def _first_along(dimensions):
+    """A rule that counts a piece on the rank at coordinate 0 of each of `dimensions` (0: dp,
+    1: tp) along which the piece is replicated."""
+    return lambda name, placements, coordinate: all(
+        coordinate[dim] == 0 for dim in dimensions if placements[dim].is_replicate())
+
+
+# (a rule of counting a typical mistake follows, its hint)
+NORM_MISTAKES = (
+    (lambda name, placements, coordinate: True,
+     "each piece counts once, however many ranks hold it: a piece whose placement along a mesh "
+     "dimension is Replicate() is the same on every rank along it. Count it on one of them (at "
+     "coordinate 0 there: piece.device_mesh.get_coordinate())."),
+    (lambda name, placements, coordinate: name.startswith("blocks.") or coordinate[1] == 0,
+     "a name does not say how a piece is laid out: blocks.0.attention.out.bias is a block's, "
+     "yet both tp partners hold it whole, and a block's weight can be whole on every dp rank. "
+     "Read each piece's placements."),
+    (_first_along((1,)),
+     "a piece can be replicated over dp too (Replicate() on \"dp\": a layer kept whole on every "
+     "data-parallel rank, as DDP keeps it): count it at dp coordinate 0 as well."),
+    (_first_along((0,)),
+     "a piece both tp partners hold (Replicate() on \"tp\") counts twice: count it at tp "
+     "coordinate 0 only."),
+    (lambda name, placements, coordinate: (
+        not any(placement.is_replicate() for placement in placements)
+        or any(coordinate[dim] == 0 for dim in (0, 1) if placements[dim].is_replicate())),
+     "a piece replicated over both dimensions is held by every rank: it counts on one rank, at "
+     "coordinate 0 of both (all of its replicated dimensions, not any)."),
+)
+
+
+def _norm_hint(got, expected, world_size, seed) -> str | None:
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return None
+    for counts, hint in NORM_MISTAKES:
+        if math.isclose(got, _counted(world_size, seed, counts), rel_tol=1e-4):
+            return hint
+    if math.isclose(got, expected ** 2, rel_tol=1e-4):
+        return "this is the sum of the squares: the norm is its square root."
+    if math.isclose(got, expected / math.sqrt(world_size), rel_tol=1e-4):
+        return ("this is the norm of the sum of squares averaged over the ranks: the pieces' "
+                "squares add up (all_reduce's default, ReduceOp.SUM).")
+    return None
+
+
+EXERCISES["global_norm"] = MeshExercise(
+    "global_norm(rank, world_size, pieces) returns, on every rank, the global norm of a "
+    "model's whole gradients, as a Python float, from the pieces each rank of a dp x tp mesh "
+    "holds (tp = 2): `pieces` maps a name to this rank's piece of one gradient, a DTensor on the "
+    "2-D device mesh (\"dp\", \"tp\") whose placements say, dimension by dimension, whether the "
+    "gradient is cut along it (Shard(dim): every rank along it holds a piece of its own) or "
+    "held whole by every rank along it (Replicate(): the same piece on each). The names do not "
+    "say which. Every element of the whole gradients counts once: piece.to_local() is what this "
+    "rank holds, piece.placements how, piece.device_mesh.get_coordinate() where. It uses one "
+    "dist.all_reduce, of one number, and no other communication (no DTensor reduction either): "
+    "the two mesh dimensions as one, which is what DTensor's \"2 sequential all_reduce\" "
+    "warning asks for",
     NORM_CASES, _norm_expected,
-    inputs=_norm_pieces,
     rules=(Only("all_reduce", text="use one all_reduce and no other communication"),
-           CallSizes("all_reduce", lambda n, seed: [1], text="one all_reduce, of one number")),
-    hint="does each piece count once? Both tp partners hold the same embedding and head.",
+           CallSizes("all_reduce", lambda n, seed: [1],
+                     text="one dist.all_reduce, of one number, on what the ranks hold "
+                          "(.to_local()): a DTensor's own reductions are one per mesh "
+                          "dimension")),
+    hint="does each piece count once? Its placements say which ranks hold the same piece.",
+    hint_for=_norm_hint,
 )

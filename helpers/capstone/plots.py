@@ -11,6 +11,8 @@ from helpers.capstone.corpus import bits_per_byte
 from helpers.drawing import COLORS, GREY
 
 COMPUTE, COMMUNICATION = "#55A868", "#4C72B0"
+LANES = {"compute": COMPUTE, "communication DTensor": COMMUNICATION,
+         "communication FSDP2": "#DD8452"}
 TRAINED_FILE = os.path.join(os.path.dirname(__file__), "trained.json")
 
 
@@ -72,26 +74,31 @@ def plot_resumed(attempts: dict, uninterrupted: dict, killed_after: int, resumed
 def plot_traces(per_rank: list, window: tuple | None = None):
     """The profiled steps of every rank, from its trace (profiled.profile_worker's intervals, in
     seconds on one clock, drawn from the earliest operation of any rank): a lane of compute and
-    a lane of communication in flight; on the right, each rank's totals: compute,
-    communication, and the share of communication under compute."""
+    a lane of communication in flight, each owner's in its colour; on the right, each rank's
+    totals: compute, each owner's communication, and the share of communication under
+    compute."""
     fig, (ax, totals) = plt.subplots(1, 2, figsize=(10, 0.75 * len(per_rank) + 1.6),
                                      width_ratios=[3, 1.2], sharey=True)
     origin = min(start for found in per_rank for spans in found["intervals"].values()
                  for start, _ in spans)
     for rank, found in enumerate(per_rank):
-        for lane, (kind, colour) in enumerate((("compute", COMPUTE),
-                                               ("communication", COMMUNICATION))):
+        for lane, kind in ((0, "compute"), (1, "communication DTensor"),
+                           (1, "communication FSDP2")):
             spans = [(start - origin, end - start) for start, end in found["intervals"][kind]]
-            ax.broken_barh(spans, (rank - 0.38 + 0.4 * lane, 0.36), facecolors=colour,
+            ax.broken_barh(spans, (rank - 0.38 + 0.4 * lane, 0.36), facecolors=LANES[kind],
                            edgecolors="none")
         numbers = found["breakdown"]
         totals.barh(rank - 0.2, numbers["compute_s"], height=0.36, color=COMPUTE)
-        totals.barh(rank + 0.2, numbers["communication_s"], height=0.36, color=COMMUNICATION)
+        left = 0.0
+        for owner in ("DTensor", "FSDP2"):
+            seconds = numbers["owners"][owner]["communication"]
+            totals.barh(rank + 0.2, seconds, left=left, height=0.36,
+                        color=LANES[f"communication {owner}"])
+            left += seconds
         totals.barh(rank + 0.2, numbers["overlap_s"], height=0.36, color="none",
                     edgecolor="black", hatch="///", linewidth=0.5)
-        totals.annotate(f"{numbers['overlap_share']:.0%} hidden", (numbers["communication_s"],
-                        rank + 0.2), xytext=(3, 0), textcoords="offset points", va="center",
-                        fontsize=7.5)
+        totals.annotate(f"{numbers['overlap_share']:.0%} hidden", (left, rank + 0.2),
+                        xytext=(3, 0), textcoords="offset points", va="center", fontsize=7.5)
     if window is not None:
         ax.set_xlim(*window)
     ax.set_yticks(range(len(per_rank)), [f"rank {rank}" for rank in range(len(per_rank))])
@@ -103,9 +110,43 @@ def plot_traces(per_rank: list, window: tuple | None = None):
     totals.set_title("totals; hatched: communication under compute", fontsize=9)
     totals.margins(x=0.35)
     legend = [plt.Rectangle((0, 0), 1, 1, color=COMPUTE, label="compute"),
-              plt.Rectangle((0, 0), 1, 1, color=COMMUNICATION, label="communication")]
-    fig.legend(handles=legend, loc="lower center", ncol=2, fontsize=8, frameon=False)
+              plt.Rectangle((0, 0), 1, 1, color=COMMUNICATION,
+                            label="DTensor's communication (tensor parallelism, over tp)"),
+              plt.Rectangle((0, 0), 1, 1, color=LANES["communication FSDP2"],
+                            label="FSDP2's communication (over dp)")]
+    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def plot_scaling(seconds: dict, tokens_per_step: int, labels: dict | None = None):
+    """The same batch under each layout on 1, 2 and 4 ranks ({ranks: {layout: seconds a step}},
+    "one_process" on 1 rank; `labels`: {layout: its name on the figure}): tokens per second on
+    the left; on the right, the efficiency of each (tokens per second / (ranks x one process's)),
+    100 % being perfect scaling."""
+    fig, (rate, efficiency) = plt.subplots(1, 2, figsize=(10, 3.6))
+    alone = tokens_per_step / seconds[1]["one_process"]
+    layouts = dict.fromkeys(key for found in seconds.values() for key in found
+                            if key != "one_process")  # in order of appearance
+    for index, layout in enumerate(layouts):
+        ranks = [1] + sorted(n for n, found in seconds.items() if layout in found)
+        rates = [alone] + [tokens_per_step / seconds[n][layout] for n in ranks[1:]]
+        label = (labels or {}).get(layout, layout)
+        rate.plot(ranks, rates, "o-", color=COLORS[index], label=label)
+        efficiency.plot(ranks, [r / (n * alone) for n, r in zip(ranks, rates)], "o-",
+                        color=COLORS[index], label=label)
+    ranks = sorted(seconds)
+    rate.plot(ranks, [n * alone for n in ranks], ":", color=GREY, label="perfect scaling")
+    efficiency.axhline(1, linestyle=":", color=GREY)
+    rate.set_ylabel("tokens per second, the whole job")
+    efficiency.set_ylabel("efficiency: tokens/s / (ranks x one process's)")
+    efficiency.yaxis.set_major_formatter(plt.matplotlib.ticker.PercentFormatter(1))
+    efficiency.set_ylim(0, 1.1)
+    for ax in (rate, efficiency):
+        ax.set_xticks(ranks)
+        ax.set_xlabel("ranks (every line starts from one process)")
+    rate.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
     return fig
 
 

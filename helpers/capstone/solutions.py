@@ -48,11 +48,14 @@ def capstone(rank, world_size, job, directory, recompute):
     return losses, strategies.full_parameters(model)
 
 
-def global_norm(rank, world_size, pieces, dp_rank, tp_rank):
-    total = torch.zeros(1, dtype=torch.float64)
-    for name, piece in pieces.items():
-        # a piece both tp partners hold counts once: on the first of them
-        if name.startswith("blocks.") or tp_rank == 0:
-            total += piece.double().pow(2).sum()
-    dist.all_reduce(total)
+def global_norm(rank, world_size, pieces):
+    total = torch.zeros(1, dtype=torch.float64, device=get_device())
+    for piece in pieces.values():
+        coordinate = piece.device_mesh.get_coordinate()
+        # a piece held whole along a mesh dimension (Replicate) is the same on every rank along
+        # it: it counts once, on the rank at coordinate 0 there
+        if all(where == 0 for where, placement in zip(coordinate, piece.placements)
+               if placement.is_replicate()):
+            total += piece.to_local().double().pow(2).sum()
+    dist.all_reduce(total)  # the one communication: dp and tp as one group
     return math.sqrt(total.item())
