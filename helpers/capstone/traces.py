@@ -15,7 +15,8 @@ What the trace holds, under gloo (torch 2.13, `ProfilerActivity.CPU`):
   FSDP2's all-gather `c10d::_allgather_base_` and reduce-scatter `c10d::_reduce_scatter_base_`,
   called with async_op=False: the operation only launches it, and torch.distributed's Python
   then waits for it (`Work.wait()`, which the trace does not write as an operation), inside
-  whichever operation's hook FSDP2 runs in (an autograd node's, in backward); DTensor's
+  whatever runs FSDP2's hook (in backward mostly an autograd node, an operation of the trace;
+  the root's reduce-scatter, from autograd's final callback, outside any); DTensor's
   functional collectives (tensor parallelism, the gradients' norm, loss_parallel)
   `c10d::allgather_into_tensor_coalesced_`, `c10d::reduce_scatter_tensor_coalesced_` and
   `c10d::allreduce_`, each inside a `_c10d_functional::` operation of the same name, which only
