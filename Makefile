@@ -27,8 +27,8 @@ endif
 present: setup
 	$(PY) -m helpers.present $(LESSON)
 
-# The capstone's longer run (lesson 14): 600 steps under torchrun on 4 ranks, about 10 minutes on 2
-# cores, with a progress line, in runs/capstone/. Ctrl-C saves a checkpoint and stops; `make train`
+# The capstone's longer run (lesson 14): 600 steps under torchrun on 4 ranks (10 minutes on the 2
+# cores of its committed record, trained.json), with a progress line, in runs/capstone/. Ctrl-C saves a checkpoint and stops; `make train`
 # again goes on from it. `make train ARGS=--fresh` starts over.
 train: setup
 	$(PY) -m helpers.capstone $(ARGS)

@@ -207,6 +207,32 @@ def every_ranks_pieces_summed(pieces):
     return total.sqrt().item()
 
 
+def counted_by_placements(rank, world_size, job, directory, recompute):
+    """The solution, clipping by a norm that counts each gradient DTensor's piece on coordinate 0
+    of the mesh dimensions its placements replicate (the global_norm exercise's rule): a
+    parameter tensor parallelism did not touch is a DTensor on the dp mesh alone, (Shard(0),),
+    and both tp partners count it."""
+    import torch.distributed as dist
+
+    from helpers.capstone import solutions
+
+    def clip_to_norm(model, max_norm):
+        gradients = [parameter.grad for parameter in model.parameters()]
+        total = torch.zeros(1, dtype=torch.float64)
+        for gradient in gradients:
+            coordinate = gradient.device_mesh.get_coordinate()
+            if all(where == 0 for where, placement in zip(coordinate, gradient.placements)
+                   if placement.is_replicate()):
+                total += gradient.to_local().double().pow(2).sum()
+        dist.all_reduce(total)
+        scale = min(1.0, max_norm / (total.sqrt().item() + 1e-6))
+        for gradient in gradients:
+            gradient.to_local().mul_(scale)
+
+    solutions.clip_to_norm = clip_to_norm
+    return solutions.capstone(rank, world_size, job, directory, recompute)
+
+
 def without_clipping(rank, world_size, job, directory, recompute):
     from helpers.capstone import solutions
     solutions.clip_to_norm = lambda model, max_norm: None
@@ -291,6 +317,9 @@ RECOGNISED = "Hint: the whole run differs from one process already: "
     pytest.param(clipping(every_ranks_pieces_summed), WHOLE + "its losses, by step: 2: expected",
                  RECOGNISED + "the norm counts twice what both tp partners hold",
                  id="the norm counts what both tp partners hold twice"),
+    pytest.param(counted_by_placements, WHOLE + "its losses, by step: 2: expected",
+                 RECOGNISED + "the norm counts twice the pieces tensor parallelism did not touch",
+                 id="the norm counts by placements, pieces on the dp mesh alone twice"),
     pytest.param(clipping(each_ranks_own_norm), WHOLE + "its losses, by step: 2: expected",
                  "Hint: step 1's loss is right and step 2's differs: the update of step 1",
                  id="each rank clips by its own pieces' norm"),

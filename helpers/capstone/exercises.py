@@ -218,14 +218,26 @@ def _uninterrupted(kill_after):
 
 # --- what a typical mistake trains to: the job in one process, as the mistake computes it -------
 
-def _cut_over_tp(name: str) -> bool:
-    """Whether lesson 08's plan, which the reference solution lays out, cuts parameter `name`
-    (blocks.0.attention.q.weight) over tp: a column layer's weight and bias, a row layer's
-    weight; the rest (a row layer's bias, the norms, the embeddings, the head) both tp partners
-    hold whole."""
+def _over_tp(name: str) -> str:
+    """How lesson 08's plan, which the reference solution lays out, holds parameter `name`
+    (blocks.0.attention.q.weight) over tp: "cut" (a column layer's weight and bias, a row
+    layer's weight), "whole in a layer" (a row layer's bias: both tp partners hold it, a
+    DTensor replicated over tp in PyTorch's plan) or "untouched" (the norms, the embeddings,
+    the head: both hold them, and under PyTorch's layout they are DTensors on the dp mesh
+    alone, whose placements do not say so)."""
     layer, _, kind = name.rpartition(".")
     style = plan_style(layer) if name.startswith("blocks.") else None
-    return style == "column" or (style == "row" and kind == "weight")
+    if style == "column" or (style == "row" and kind == "weight"):
+        return "cut"
+    return "whole in a layer" if style == "row" else "untouched"
+
+
+def _cut_over_tp(name: str) -> bool:
+    """Whether lesson 08's plan cuts parameter `name` over tp (`_over_tp`)."""
+    return _over_tp(name) == "cut"
+
+
+OVER_TP = ("cut", "whole in a layer", "untouched")
 
 
 @functools.cache
@@ -233,7 +245,8 @@ def _simulated(copies: tuple | None = None, clipped: bool = True, gradient_scale
                fresh_optimizer_after: int | None = None, counted_from: int = 0) -> dict:
     """The job trained in one process as a typical mistake trains it (all defaults: as
     reference.train does, to the bit): the norm of `copies` = (how many times it counts a
-    gradient lesson 08's plan cuts over tp, how many one it does not), no clipping, gradients
+    gradient of each kind of OVER_TP: cut over tp, whole in a tp layer, untouched by tensor
+    parallelism), no clipping, gradients
     `gradient_scale` times the whole batch's, or AdamW started afresh after step
     `fresh_optimizer_after` (a checkpoint without its state), its moments zero and its step
     count `counted_from`. Returns {step: (the whole batch's loss, data-parallel half 0's, half
@@ -254,7 +267,7 @@ def _simulated(copies: tuple | None = None, clipped: bool = True, gradient_scale
         (loss * gradient_scale).backward()
         if copies is not None:
             norm = torch.linalg.vector_norm(torch.stack([
-                parameter.grad.norm() * math.sqrt(copies[0] if _cut_over_tp(name) else copies[1])
+                parameter.grad.norm() * math.sqrt(copies[OVER_TP.index(_over_tp(name))])
                 for name, parameter in model.named_parameters()]))
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), JOB.max_norm, norm)
         elif clipped:
@@ -300,11 +313,16 @@ WHOLE_RUN_MISTAKES = (
     (lambda got: _matches({step: loss / 2 for step, loss in got.items()}, _simulated()),
      "the losses are twice the whole batch's: the two data-parallel halves' summed, where the "
      "batch's loss is their mean."),
-    (lambda got: _matches(got, _simulated(copies=(1, 2))), TWICE),
-    (lambda got: _matches(got, _simulated(copies=(2, 2))),
+    (lambda got: _matches(got, _simulated(copies=(1, 2, 2))), TWICE),
+    (lambda got: _matches(got, _simulated(copies=(1, 1, 2))),
+     "the norm counts twice the pieces tensor parallelism did not touch: the embeddings, the "
+     "head and the norms. Both tp partners hold them whole; laid out by fully_shard over \"dp\" "
+     "alone they are DTensors on the dp mesh, (Shard(0),), whose placements say nothing of tp. "
+     "Count them on one tp rank (tp coordinate 0)."),
+    (lambda got: _matches(got, _simulated(copies=(2, 2, 2))),
      "the norm counts every gradient once per data-parallel rank: each rank's pieces are cut "
      "over dp (FSDP) or, kept whole on both dp ranks, must count once."),
-    (lambda got: _matches(got, _simulated(copies=(2, 4))),
+    (lambda got: _matches(got, _simulated(copies=(2, 4, 4))),
      "the norm counts every copy of every piece: both tp partners' and both dp ranks'. Count "
      "each element of the whole model's gradients once."),
     (lambda got: _matches(got, _simulated(clipped=False)),
@@ -368,7 +386,7 @@ def _resumed_hint(steps, losses, expected, kill_after) -> str | None:
                     f"it: {after}.")
         if first == newest:
             return (f"the resumed run trained step {newest} again: the checkpoint of step "
-                    f"{newest} holds the weights after that step's update. {after}.")
+                    f"{newest} holds the weights after that step's update; {after}.")
         if first == newest + 2:
             return (f"the resumed run skipped step {newest + 1}: {after}, step s on "
                     "job.batch(s - 1).")
@@ -605,8 +623,9 @@ EXERCISES["global_norm"] = MeshExercise(
     rules=(Only("all_reduce", text="use one all_reduce and no other communication"),
            CallSizes("all_reduce", lambda n, seed: [1],
                      text="one dist.all_reduce, of one number, on what the ranks hold "
-                          "(.to_local()): a DTensor's own reductions are one per mesh "
-                          "dimension")),
+                          "(.to_local()); a DTensor's own reductions, full_tensor() and "
+                          "redistribute() communicate by themselves, which this task rules "
+                          "out")),
     hint="does each piece count once? Its placements say which ranks hold the same piece.",
     hint_for=_norm_hint,
 )
