@@ -89,7 +89,7 @@ def profile_worker(rank, world_size, config: Config, directory, steps: int = 2) 
     events = traces.read_trace(path)
     found = traces.intervals(events)
     found |= {f"communication {owner}": parts["communication"]
-              for owner, parts in traces.owners(events).items() if owner in traces.OWNERS}
+              for owner, parts in traces.owners(events, found).items() if owner in traces.OWNERS}
     seconds = {kind: [(begin * traces.MICROSECONDS, end * traces.MICROSECONDS)
                       for begin, end in spans] for kind, spans in found.items()}
     return {"trace": path, "intervals": seconds, "breakdown": traces.breakdown(path),

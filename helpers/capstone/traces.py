@@ -204,12 +204,13 @@ def thread_owners(events) -> dict:
     return {thread: counted.most_common(1)[0][0] for thread, counted in votes.items()}
 
 
-def owners(events) -> dict:
+def owners(events, found: dict | None = None) -> dict:
     """{owner: {"communication", "overlap", "exposed", "waiting"}} in merged pairs, for "FSDP2"
     and "DTensor" (the module's docstring defines them; "waiting": the computing threads inside
     the owner's calls, or waiting for FSDP2's transfers), and "exposed_where": {"FSDP2",
-    "DTensor", "elsewhere"}, the rank's exposed time split by where its computing thread was."""
-    found, owned = intervals(events), thread_owners(events)
+    "DTensor", "elsewhere"}, the rank's exposed time split by where its computing thread was.
+    `found`: intervals(events), if already read."""
+    found, owned = found or intervals(events), thread_owners(events)
     workers = gloo_threads(events)
     compute = found["compute"]
     calls = [event for event in events if event["tid"] not in workers
@@ -236,9 +237,9 @@ def breakdown(path) -> dict:
     blocked_s, overlap_share (of communication; 0 without any), collectives {name: calls}, and
     owners: `owners`' split, each list of pairs as its seconds."""
     events = read_trace(path)
-    by_owner = {owner: {what: length(spans) * MICROSECONDS for what, spans in parts.items()}
-                for owner, parts in owners(events).items()}
     found = intervals(events)
+    by_owner = {owner: {what: length(spans) * MICROSECONDS for what, spans in parts.items()}
+                for owner, parts in owners(events, found).items()}
     compute, communication = found["compute"], found["communication"]
     overlap = length(intersect(communication, compute))
     return {"compute_s": length(compute) * MICROSECONDS,
