@@ -119,24 +119,33 @@ def plot_traces(per_rank: list, window: tuple | None = None):
     return fig
 
 
+def scaling(seconds: dict, tokens_per_step: int) -> dict:
+    """{ranks: {layout: (tokens per second, efficiency)}} from {ranks: {layout: seconds a step}}
+    ("one_process" on 1 rank): the efficiency is tokens per second / (ranks x one process's)."""
+    alone = tokens_per_step / seconds[1]["one_process"]
+    return {ranks: {layout: (tokens_per_step / step, tokens_per_step / step / (ranks * alone))
+                    for layout, step in found.items()} for ranks, found in seconds.items()}
+
+
 def plot_scaling(seconds: dict, tokens_per_step: int, labels: dict | None = None):
     """The same batch under each layout on 1, 2 and 4 ranks ({ranks: {layout: seconds a step}},
     "one_process" on 1 rank; `labels`: {layout: its name on the figure}): tokens per second on
-    the left; on the right, the efficiency of each (tokens per second / (ranks x one process's)),
-    100 % being perfect scaling."""
+    the left; on the right, the efficiency of each (`scaling`), 100 % being perfect scaling."""
     fig, (rate, efficiency) = plt.subplots(1, 2, figsize=(10, 3.6))
-    alone = tokens_per_step / seconds[1]["one_process"]
-    layouts = dict.fromkeys(key for found in seconds.values() for key in found
+    found = scaling(seconds, tokens_per_step)
+    alone = found[1]["one_process"]
+    layouts = dict.fromkeys(key for each in found.values() for key in each
                             if key != "one_process")  # in order of appearance
     for index, layout in enumerate(layouts):
-        ranks = [1] + sorted(n for n, found in seconds.items() if layout in found)
-        rates = [alone] + [tokens_per_step / seconds[n][layout] for n in ranks[1:]]
+        ranks = [1] + sorted(n for n, each in found.items() if layout in each)
+        points = [alone] + [found[n][layout] for n in ranks[1:]]
         label = (labels or {}).get(layout, layout)
-        rate.plot(ranks, rates, "o-", color=COLORS[index], label=label)
-        efficiency.plot(ranks, [r / (n * alone) for n, r in zip(ranks, rates)], "o-",
-                        color=COLORS[index], label=label)
+        rate.plot(ranks, [tokens for tokens, _ in points], "o-", color=COLORS[index],
+                  label=label)
+        efficiency.plot(ranks, [share for _, share in points], "o-", color=COLORS[index],
+                        label=label)
     ranks = sorted(seconds)
-    rate.plot(ranks, [n * alone for n in ranks], ":", color=GREY, label="perfect scaling")
+    rate.plot(ranks, [n * alone[0] for n in ranks], ":", color=GREY, label="perfect scaling")
     efficiency.axhline(1, linestyle=":", color=GREY)
     rate.set_ylabel("tokens per second, the whole job")
     efficiency.set_ylabel("efficiency: tokens/s / (ranks x one process's)")
