@@ -438,6 +438,7 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
     """docs/presenting.md's advice, in the slideshow: a launch whose ranks never return is
     interrupted by Esc, I, I (the shortcut helpers.present adds), long before the launcher's
     timeout; the next launch then runs."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     base, token, _ = lab
@@ -480,8 +481,12 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
             assert "KeyboardInterrupt" in hung.inner_text()
             after.query_selector(".cm-content").click()
             page.keyboard.press("Control+Enter")
-            page.wait_for_function("cell => cell.innerText.includes('next: [0, 1]')", arg=after,
-                                   timeout=60_000)
+            try:
+                page.wait_for_function("cell => cell.innerText.includes('next: [0, 1]')",
+                                       arg=after, timeout=60_000)
+            except PlaywrightTimeout:
+                pytest.fail(f"the next launch did not print within 60 s; its cell shows "
+                            f"{after.inner_text()!r}, the hung one {hung.inner_text()!r}")
             print(f"Esc, I, I stopped a hung launch in {stopped:.1f} s (the launcher's own "
                   "timeout: 60 s); the next launch ran")
         finally:

@@ -132,6 +132,48 @@ def test_a_rank_imports_nothing_the_pool_did_not_preload():
         assert set(out[rank]) - set(json.loads(preloaded)) == set()
 
 
+INTERRUPTED_WHILE_STARTING = textwrap.dedent(
+    """
+    import json, os, signal, time
+    import psutil
+    from helpers.launcher import run
+    from helpers.launcher import pool
+
+    def sigint_blocked(rank, world_size):
+        return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel, whoever started us
+    pool.warm_up(in_background=True)
+    while pool.forkserver_pid() is None:
+        time.sleep(0.01)
+    first = pool.forkserver_pid()
+    time.sleep(0.3)  # the forkserver is importing torch now (seconds)
+    starting = pool._warm_up_thread.is_alive()
+    try:
+        os.killpg(0, signal.SIGINT)  # what Jupyter's interrupt does: the kernel's whole group
+        time.sleep(5)
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    blocked = run(sigint_blocked, 2, show_output=False).results
+    print(json.dumps(dict(starting=starting, interrupted=interrupted, blocked=blocked,
+                          same=pool.forkserver_pid() == first, alive=psutil.pid_exists(first))))
+    """)
+
+
+def test_an_interrupt_while_the_pool_starts_stops_the_cell_not_the_pool():
+    """Jupyter's interrupt is a SIGINT to the kernel's process group, forkserver included. The
+    forkserver ignores SIGINT only once it has imported torch; started with SIGINT blocked, it
+    lives through an interrupt that lands before (it died, and the next launch started another:
+    seconds, a timeout in a loaded slideshow). Its ranks take SIGINT as any process does."""
+    completed = subprocess.run([sys.executable, "-c", INTERRUPTED_WHILE_STARTING],
+                               capture_output=True, text=True, cwd=REPO, timeout=120,
+                               start_new_session=True)  # its own group: the SIGINT stays there
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == dict(starting=True, interrupted=True,
+                                                blocked=[False, False], same=True, alive=True)
+    assert "EOFError" not in completed.stderr and "KeyboardInterrupt" not in completed.stderr
+
 @pytest.mark.parametrize("failing_rank", [0, 2])
 def test_exception_names_rank_and_original_message(failing_rank):
     with pytest.raises(WorkerError) as caught:

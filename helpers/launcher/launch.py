@@ -41,7 +41,11 @@ import torch.multiprocessing
 
 from helpers.launcher import rank as _rank
 from helpers.launcher import report
-from helpers.launcher.pool import main_module_kept_from_ranks, warm_up
+from helpers.launcher.pool import (
+    interrupts_kept_from_the_pool,
+    main_module_kept_from_ranks,
+    warm_up,
+)
 from helpers.launcher.report import WorkerError, WorkerTimeout
 from helpers.launcher.result import GLOO_AND_NCCL, RunResult, default_backend, uses_nccl
 from helpers.launcher.torchrun import run_in_place
@@ -265,7 +269,8 @@ def _free_port() -> int:
 def _start(job: _rank.Job, start_method: str):
     receivers, senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(job.world_size)))
     try:
-        with main_module_kept_from_ranks():
+        # a forkserver that died is started again from here: keep the kernel's Ctrl+C from it too
+        with main_module_kept_from_ranks(), interrupts_kept_from_the_pool():
             context = torch.multiprocessing.start_processes(
                 _rank.rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
                 start_method=start_method,

@@ -11,8 +11,10 @@ import contextlib
 import glob
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -65,7 +67,7 @@ def _start_forkserver(indicator) -> None:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(FORKSERVER_PRELOAD)
         first = context.Process(target=_exit_at_once)  # forked once the preloads are imported
-        with main_module_kept_from_ranks():
+        with main_module_kept_from_ranks(), interrupts_kept_from_the_pool():
             first.start()
         first.join()
     finally:
@@ -114,6 +116,33 @@ def _open_sockets() -> set:
     with open("/proc/net/unix", "rb") as table:
         rows = [line.rstrip(b"\n").split(None, 7) for line in table.readlines()[1:]]
     return {os.fsdecode(row[7]) for row in rows if len(row) == 8}
+
+
+@contextlib.contextmanager
+def interrupts_kept_from_the_pool():
+    """Start processes that a Ctrl+C meant for this one cannot kill.
+
+    Jupyter interrupts a kernel by sending SIGINT to its whole process group, which holds the
+    forkserver and multiprocessing's resource tracker too. Each ignores SIGINT, but only once it
+    is running: a forkserver still importing torch (seconds, more on a loaded machine) dies of an
+    interrupt meant for the cell, and the next launch pays for a new one. A process started from
+    here begins with SIGINT blocked (a signal mask survives fork and exec), so the signal waits
+    until the forkserver ignores it, which discards it. Blocking it in this thread alone does not
+    delay the learner's interrupt: the kernel's other threads still take it, and Python raises it
+    in the main thread as before. The ranks forked from the pool unblock it (rank_main).
+
+    The resource tracker is started first: it guards its own start the same way, but unblocks
+    SIGINT in the calling thread afterwards (multiprocessing/resource_tracker.py, bpo-33613),
+    which would leave the forkserver started after it unguarded."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process groups to fear
+        yield
+        return
+    multiprocessing.resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager

@@ -100,6 +100,8 @@ def rank_main(rank: int, job: Job, result_conn) -> None:
     """One rank's life, from rank_entry: output captured, the group joined, the worker run, one
     message sent, and out."""
     os.setpgrp()  # own process group: the parent can kill this rank and anything it started
+    if hasattr(signal, "pthread_sigmask"):  # the pool started blocking it: pool.py
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _capture_output(job.out_dir, rank)
     _die_with_the_pool()
     os.environ.clear()
