@@ -56,7 +56,8 @@ class Exercise:
     # *case) for plain functions: a hint for this
     # wrong value in particular (a known mistake recognised), or None for `hint`
     harness: callable = None  # plain functions: harness(function, *inputs) calls the learner's
-    # function and returns what is compared with expected (values measured around the call)
+    # function and returns what is compared with expected (values measured around the call), or
+    # a sentence (a str) that says what went wrong before there was any value to compare
     lesson: str = ""  # the lesson's package, e.g. "helpers.collectives" (filled in by `exercises`)
     rel_tol: float = 1e-4  # how near a float must be (see _compare); a float64 result that must
     # repeat the same operations, as a resumed run's losses, asks for far less
@@ -183,7 +184,10 @@ def _check_case(exercise, function, case):
             return [f"For {where}, your function raised {type(error).__name__}{said}",
                     *([] if ranks else _learners_traceback(error, exercise))]
         expected = exercise.expected(*case)
-        problem = _compare(got, expected, exercise.names, exercise.rel_tol)
+        if exercise.harness and isinstance(got, str) and not isinstance(expected, str):
+            problem = got  # the harness's own sentence: what went wrong before any value
+        else:
+            problem = _compare(got, expected, exercise.names, exercise.rel_tol)
         if not problem:
             return None
         hint = (exercise.hint_for and exercise.hint_for(got, expected, *case)) or exercise.hint

@@ -419,8 +419,8 @@ def test_nothing_is_left_behind_after_50_launches_an_error_and_a_timeout(tmp_pat
 
 def test_keyboard_interrupt_stops_every_worker():
     # Python turns SIGINT into KeyboardInterrupt only if SIGINT was not ignored when it started;
-    # a shell ignores it in the background jobs it starts (`make test &`). Ctrl-C here, whatever
-    # started pytest.
+    # a non-interactive shell (a script) ignores it in the background jobs it starts. Ctrl-C
+    # here, whatever started pytest.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()

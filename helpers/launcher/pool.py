@@ -127,9 +127,10 @@ def interrupts_kept_from_the_pool():
     is running: a forkserver still importing torch (seconds, more on a loaded machine) dies of an
     interrupt meant for the cell, and the next launch pays for a new one. A process started from
     here begins with SIGINT blocked (a signal mask survives fork and exec), so the signal waits
-    until the forkserver ignores it, which discards it. Blocking it in this thread alone does not
-    delay the learner's interrupt: the kernel's other threads still take it, and Python raises it
-    in the main thread as before. The ranks forked from the pool unblock it (rank_main).
+    until the forkserver ignores it, which discards it. Blocked in warm_up's thread alone, it
+    does not delay the learner's interrupt: the main thread still takes it. In launch._start, in
+    the main thread, an interrupt that lands while a dead forkserver starts again is raised once
+    the ranks have started. The ranks forked from the pool unblock it (rank_main).
 
     The resource tracker is started first: it guards its own start the same way, but unblocks
     SIGINT in the calling thread afterwards (multiprocessing/resource_tracker.py, bpo-33613),
