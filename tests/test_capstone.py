@@ -615,3 +615,158 @@ def test_a_global_norm_piece_is_what_its_placements_say(world_size, seed):
                   show_output=False)
     for whole in out:
         torch.testing.assert_close(whole, capstone_exercises._gradients(seed), rtol=0, atol=0)
+
+
+# --- one step of the recipe: its checker's rejections -------------------------------------------
+
+def recipe_step_with(weighting="share", sync="last", schedule="step", upcast="bfloat16",
+                     clipped_norm=False):
+    """The reference step with one thing done otherwise (a function of this module: the
+    checker's tests send this module's functions to the ranks by value)."""
+    options = dict(weighting=weighting, sync=sync, schedule=schedule, upcast=upcast,
+                   clipped_norm=clipped_norm)
+
+    def step(model, optimizer, scheduler, parts, config):
+        return _recipe_step(model, optimizer, scheduler, parts, config, **options)
+
+    return step
+
+
+def _recipe_step(model, optimizer, scheduler, parts, config, *, weighting, sync, schedule, upcast,
+                 clipped_norm):
+    import torch.nn.functional as F
+
+    from helpers.at_scale.accounting import clip_to_norm
+    from helpers.capstone import train
+
+    sequences = sum(len(part) for part in parts)
+    loss_sum = 0.0
+    for index, part in enumerate(parts):
+        if sync == "last":
+            model.set_requires_gradient_sync(index == len(parts) - 1)
+        with train.parallel_loss(config):
+            logits = model(part[:, :-1]).flatten(0, 1)
+            if upcast == "always" or (upcast == "bfloat16" and config.bf16):
+                logits = logits.float()
+            loss = F.cross_entropy(logits, part[:, 1:].flatten())
+            loss = {"share": loss * len(part) / sequences, "parts": loss / len(parts),
+                    "sum": loss}[weighting]
+            loss.backward()
+        loss_sum += train.whole(loss.detach()).item()
+        if schedule == "part":
+            scheduler.step()
+    norm = train.whole(clip_to_norm(model, config.clip)).item()
+    optimizer.step()
+    if schedule == "step":
+        scheduler.step()
+    optimizer.zero_grad()
+    return loss_sum, min(norm, config.clip) if clipped_norm else norm
+
+
+RECIPE = "For the case sizes=(3, 1), precision='float64': "
+
+
+@pytest.mark.soak  # 4 ranks, 3 steps, for each mistake
+@pytest.mark.parametrize(("mistake", "says", "hint"), [
+    pytest.param(recipe_step_with(weighting="parts"),
+                 RECIPE + "the whole batch's loss, by step: 1: expected",
+                 "Hint: every micro-batch's mean counted alike", id="micro-batches alike"),
+    pytest.param(recipe_step_with(weighting="sum"),
+                 RECIPE + "the whole batch's loss, by step: 1: expected",
+                 "Hint: the micro-batches' losses were added up", id="micro-batches summed"),
+    pytest.param(recipe_step_with(sync="every"),
+                 RECIPE + "reduce-scatters a step (FSDP2's: once a unit, whatever the "
+                          "micro-batches): expected 3, got 6",
+                 "Hint: FSDP2 reduce-scattered after every micro-batch", id="sync every part"),
+    pytest.param(recipe_step_with(schedule="never"),
+                 RECIPE + "the learning rate each step ran at: 2: expected 0.0100000, got "
+                          "0.00500000",
+                 "Hint: every step ran at the first step's rate", id="no schedule"),
+    pytest.param(recipe_step_with(schedule="part"),
+                 RECIPE + "the learning rate each step ran at: 2: expected",
+                 "Hint: the rate moved more than once a step", id="schedule every part"),
+    pytest.param(recipe_step_with(clipped_norm=True),
+                 RECIPE + "the gradient norm before clipping, by step: 1: expected",
+                 "Hint: the norm returned is the clipped one", id="the clipped norm"),
+    pytest.param(recipe_step_with(upcast="always"),
+                 RECIPE + "the logits each loss was taken on: expected 'float64', got 'float32'",
+                 "Hint: in a float64 run the logits are float64 already", id="float64 rounded"),
+    pytest.param(recipe_step_with(upcast="never"),
+                 "For the case sizes=(2, 2), precision='bfloat16': the logits each loss was "
+                 "taken on: expected 'float32 or wider', got 'bfloat16'",
+                 "Hint: the loss must be taken on logits of float32", id="bfloat16 loss"),
+])
+def test_the_recipe_step_checker_rejects(mistake, says, hint):
+    text = expect_rejection("recipe_step", mistake, says)
+    assert hint in text, text
+
+
+def test_the_recipe_steps_cases_cut_a_ranks_sequences_unequally():
+    """A step that weights micro-batches alike is right only when they are equal: two of the
+    three cases make them unequal, and every case cuts a rank's whole share."""
+    from helpers.capstone.exercises import RECIPE as CONFIG
+    from helpers.capstone.exercises import RECIPE_CASES
+
+    share = CONFIG.batch // CONFIG.dp
+    assert all(sum(sizes) == share for sizes, _ in RECIPE_CASES)
+    assert sum(len(set(sizes)) > 1 for sizes, _ in RECIPE_CASES) == 2
+
+
+# --- the torchrun entry point: its checker's rejections -----------------------------------------
+
+def entry_point_with(handled=(signal.SIGINT, signal.SIGTERM), agreed=True, stops=True):
+    """The reference entry point with one thing done otherwise: the signals it handles, whether
+    the ranks agree on stopping (an all_reduce of the flag) or each asks its own, whether the
+    flag stops the run at all. (A function of this module: its rejections' tests send this
+    module's functions to the ranks by value.)"""
+
+    def entry_point(job):
+        import os
+        import signal as signals
+        import sys
+
+        import torch.distributed as dist
+
+        dist.init_process_group()
+        asked = []
+        for number in handled:
+            signals.signal(number, lambda number, frame: asked.append(number))
+
+        def stop(step):
+            if not agreed:
+                return bool(asked)
+            flag = torch.tensor([float(bool(asked))])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return stops and bool(flag.item())
+
+        job.train(stop)
+        dist.barrier()
+        sys.stdout.flush()
+        os._exit(0)
+
+    return entry_point
+
+
+ENTRY = "For the case rank=1, after=2, signal_name='SIGTERM': "
+
+
+@pytest.mark.soak  # torchrun of 4 ranks, twice a case
+@pytest.mark.parametrize(("mistake", "says", "hint"), [
+    pytest.param(entry_point_with(handled=()),
+                 ENTRY + "how the signalled run ended: expected 'exit code 0', got 'exit code 1; "
+                         "rank 1 exited with -15",
+                 "Hint: SIGTERM ended rank 1 at once", id="no handler"),
+    pytest.param(entry_point_with(handled=(signal.SIGTERM,)),
+                 "For the case rank=3, after=4, signal_name='SIGINT': how the signalled run "
+                 "ended: expected 'exit code 0', got 'exit code 1",
+                 "Hint: Python turns SIGINT into KeyboardInterrupt", id="SIGTERM only"),
+    pytest.param(entry_point_with(stops=False),
+                 ENTRY + "the step each rank stopped after: expected [2], got [6]",
+                 "Hint: the run went on to the end", id="never stops"),
+    pytest.param(entry_point_with(agreed=False),
+                 ENTRY + "the signalled run did not end within 90 s and was killed",
+                 "Hint: when one rank stops and the others go on", id="no agreement"),
+])
+def test_the_entry_point_checker_rejects(mistake, says, hint):
+    text = expect_rejection("entry_point", mistake, says)
+    assert hint in text, text

@@ -14,9 +14,10 @@ from helpers.lessons import lessons
 # Checked by the soak tier, to keep make test within its 8 minutes: lesson 13's layout exercise,
 # whose reference solution runs a dozen fake steps of Llama 3 8B (a minute and more), its checker's
 # rejections in make test (tests/test_at_scale.py); lesson 14's capstone, five launches of 4 ranks
-# (20 s), its checker's rejections in the soak tier too (tests/test_capstone.py); lesson 12's
+# (20 s), recipe_step (three launches, 18 s) and entry_point (four torchruns, about a minute),
+# their checkers' rejections in the soak tier too (tests/test_capstone.py); lesson 12's
 # resumable (16 s) and lesson 11's scaled_step (11 s), whose rejections make test runs.
-SLOW = {"choose_plan", "capstone", "resumable", "scaled_step"}
+SLOW = {"choose_plan", "capstone", "entry_point", "recipe_step", "resumable", "scaled_step"}
 # Lesson 15's checkers need Slurm (scontrol; a cluster they start): the cluster tier runs their
 # reference solutions and rejections (tests/test_on_a_cluster_exercises.py).
 ON_A_CLUSTER = {"batch_script", "hostnames"}

@@ -1,7 +1,8 @@
-"""Lesson 14's exercise, checked by `helpers.exercises.check(name, your_function)`."""
+"""Lesson 14's exercises, checked by `helpers.exercises.check(name, your_function)`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -10,18 +11,25 @@ import tempfile
 import weakref
 from dataclasses import dataclass, replace
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 from helpers import reference
 from helpers import rules as rules_module
+from helpers.at_scale.accounting import make_mesh
+from helpers.capstone import train
+from helpers.capstone.corpus import python_source
+from helpers.capstone.train import Config
 from helpers.exercises import Exercise, _compare
-from helpers.instrument import saved_activations
+from helpers.instrument import Observer, saved_activations
 from helpers.launcher import run
 from helpers.launcher.report import WorkerError
+from helpers.launcher.result import get_device
 from helpers.rules import CallRecorder, CallSizes, Only
 from helpers.tensor_parallelism.megatron import plan_style
+from helpers.training import mean_over
 
 EXERCISES = {}
 
@@ -470,6 +478,360 @@ EXERCISES["capstone"] = Exercise(
     hint_for=_capstone_hint,
 )
 
+
+# --- one step of the recipe (design) ------------------------------------------------------------
+
+# The recipe of helpers.capstone.train at a checker's size: 2 blocks of width 32 on the 2 x 2 mesh,
+# 8 windows of 33 bytes a step (32 predictions each), 4 on each dp rank; 3 steps, the first two
+# warming up
+RECIPE = Config(layers=2, dim=32, heads=4, kv_heads=2, seq_len=32, batch=8, micro_batches=1,
+                steps=3, warmup=2, lr=1e-2, recompute="none", bf16=False, float64=True,
+                save_every=0, eval_every=0)
+# (how a dp rank's 4 sequences are cut into micro-batches, the precision)
+RECIPE_CASES = [((3, 1), "float64"), ((1, 2, 1), "float64"), ((2, 2), "bfloat16")]
+# what each step must get right, the causes first: a wrong rate, reduction or precision shows in
+# the losses too, and is named before them
+RECIPE_NAMES = ("the learning rate each step ran at",
+                "reduce-scatters a step (FSDP2's: once a unit, whatever the micro-batches)",
+                "the logits each loss was taken on",
+                "the whole batch's loss, by step", "the gradient norm before clipping, by step",
+                "the weights at the end")
+NOT_IN_BF16 = "not compared in bfloat16: no single process computes as FSDP2's policy does"
+LOSS_FUNCTIONS = ("cross_entropy", "log_softmax", "nll_loss")
+WIDE_ENOUGH = "float32 or wider"
+
+
+class LossInputs(torch.overrides.TorchFunctionMode):
+    """While active, records the dtype of the first argument of every cross_entropy,
+    log_softmax and nll_loss called (torch.nn.functional's, torch's or a tensor's method)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in LOSS_FUNCTIONS and args and hasattr(args[0], "dtype"):
+            self.dtypes.add(str(args[0].dtype).replace("torch.", ""))
+        return func(*args, **(kwargs or {}))
+
+
+def _recipe_config(precision: str) -> Config:
+    return replace(RECIPE, float64=precision == "float64", bf16=precision == "bfloat16")
+
+
+def _recipe_worker(rank, world_size, function, sizes, precision):
+    """The course's loop (train.train_worker) with the learner's step in place of its own, each
+    step watched: the communication torch.distributed carries (instrument.Observer) and the
+    dtypes the loss functions are given (LossInputs)."""
+    config = _recipe_config(precision)
+    mesh = make_mesh(config.plan)
+    model = train.build(config, mesh)
+    optimizer, scheduler = train.make_optimizer(model, config)
+    corpus = python_source()
+    found = {"loss": {}, "norm": {}, "lr": {}, "reduce_scatters": set(), "dtypes": set()}
+    for step in range(1, config.steps + 1):
+        batch = corpus.batch("train", step - 1, config.batch, config.seq_len, seed=config.seed)
+        mine = batch.chunk(config.dp)[train.dp_rank(mesh)].to(get_device())
+        found["lr"][step] = scheduler.get_last_lr()[0]
+        with Observer() as observed, LossInputs() as seen:
+            loss, norm = function(model, optimizer, scheduler, list(mine.split(sizes)), config)
+        found["loss"][step] = mean_over(float(loss), train.dp_group(mesh))
+        found["norm"][step] = float(norm)
+        found["reduce_scatters"].add(observed.calls().get("reduce_scatter_single", 0))
+        found["dtypes"] |= seen.dtypes
+    if precision != "float64" and found["dtypes"] and found["dtypes"] <= {"float32", "float64"}:
+        found["dtypes"] = {WIDE_ENOUGH}
+    found["weights"] = train.whole_weights(model)
+    return found
+
+
+def _recipe_run(function, sizes, precision):
+    if _only_raises_not_implemented(function):  # the notebook's stub: no ranks for it
+        raise NotImplementedError
+    try:
+        found = run(_recipe_worker, WORLD, args=(function, sizes, precision), timeout=120,
+                    show_output=False)[0]
+    except WorkerError as error:
+        if error.type_name == "NotImplementedError":
+            raise NotImplementedError from None  # not started: the engine says so kindly
+        raise
+    scattered = found["reduce_scatters"]
+    per_step = scattered.pop() if len(scattered) == 1 else f"one of {sorted(scattered)}"
+    causes = (found["lr"], per_step, ", ".join(sorted(found["dtypes"])) or "none seen")
+    if precision != "float64":
+        return (*causes, NOT_IN_BF16, NOT_IN_BF16, NOT_IN_BF16)
+    return (*causes, found["loss"], found["norm"], found["weights"])
+
+
+@functools.cache
+def _recipe_expected(sizes, precision):
+    """One process (train.one_process, PyTorch's own clip_grad_norm_, LambdaLR and AdamW) on the
+    whole batch; the learning rates from the schedule's formula; one reduce-scatter per FSDP2
+    unit (each block, and the root's) a step; the loss on float32 logits, float64 in float64."""
+    config = _recipe_config(precision)
+    rates = {step: config.lr * train.lr_factor(config, step - 1)
+             for step in range(1, config.steps + 1)}
+    dtypes = "float64" if precision == "float64" else WIDE_ENOUGH
+    causes = (rates, config.layers + 1, dtypes)
+    if precision != "float64":
+        return (*causes, NOT_IN_BF16, NOT_IN_BF16, NOT_IN_BF16)
+    alone = train.one_process(config)
+    return (*causes, alone.losses(), {step: record["norm"] for step, record in alone.steps.items()},
+            alone.weights)
+
+
+@functools.cache
+def _first_loss(sizes, weighting: str) -> float:
+    """Step 1's loss in one process, from the first weights, as a rank that weights its
+    micro-batches' losses so computes it: "parts" (each micro-batch's mean alike, divided by
+    their number), "sum" (the micro-batches' means added up)."""
+    config = _recipe_config("float64")
+    model = train.init_weights(train.Llama(config.shape, max_seq_len=config.seq_len).double(),
+                               seed=config.seed)
+    batch = python_source().batch("train", 0, config.batch, config.seq_len, seed=config.seed)
+    per_rank = []
+    with torch.no_grad():
+        for mine in batch.chunk(config.dp):
+            means = [train.next_token_loss(model, part).item() for part in mine.split(sizes)]
+            per_rank.append(sum(means) / (len(means) if weighting == "parts" else 1))
+    return sum(per_rank) / len(per_rank)
+
+
+def _recipe_hint(got, expected, sizes, precision) -> str | None:
+    if not isinstance(got, tuple) or len(got) != len(expected):
+        return None
+    rates, scattered, dtypes, losses, norms = got[:5]
+    units, parts = expected[1], len(sizes)
+    if isinstance(rates, dict) and rates != expected[0]:
+        if len(set(rates.values())) == 1:
+            return ("every step ran at the first step's rate: scheduler.step() once a step, "
+                    "after optimizer.step(), moves the schedule on.")
+        return ("the rate moved more than once a step: scheduler.step() once a step, not once "
+                "a micro-batch.")
+    if dtypes == "none seen":
+        return ("no cross_entropy, log_softmax or nll_loss was called: take the loss with "
+                "torch.nn.functional.cross_entropy, which the checker watches.")
+    if precision == "float64" and "float32" in dtypes:
+        return ("in a float64 run the logits are float64 already: take the loss on them as they "
+                "are (.float() rounds them to float32); upcast bfloat16 logits only.")
+    if dtypes != expected[2]:
+        return ("the loss must be taken on logits of float32 at least: the model computes in "
+                "bfloat16, whose 8 significant bits put a loss near 5.5 on a grid of 1/32. "
+                "Upcast the logits first (.float()), as torchtitan does.")
+    if scattered != units:
+        if scattered == units * parts:
+            return ("FSDP2 reduce-scattered after every micro-batch: set "
+                    "model.set_requires_gradient_sync(False) before all but the last, so that "
+                    "the gradients add up unsharded and cross the dp group once a step.")
+        if scattered == 0:
+            return ("nothing was reduce-scattered: the last micro-batch's backward must run "
+                    "with model.set_requires_gradient_sync(True), or the dp ranks never share "
+                    "their gradients.")
+        return None
+    if precision == "float64" and isinstance(losses, dict) and 1 in losses:
+        for weighting, hint in (
+                ("parts", "every micro-batch's mean counted alike, but they hold different "
+                          "numbers of sequences: weight each by its share of the rank's "
+                          "sequences (a micro-batch of 3 sequences weighs three times one of 1)."),
+                ("sum", "the micro-batches' losses were added up: the step's loss (and its "
+                        "gradient) is their mean, each weighted by its share of the sequences.")):
+            if math.isclose(losses[1], _first_loss(sizes, weighting), rel_tol=1e-9):
+                return hint
+        if isinstance(norms, dict) and 1 in norms and math.isclose(
+                norms[1], RECIPE.clip, rel_tol=1e-6):
+            return ("the norm returned is the clipped one: return the norm before clipping "
+                    "(what clip_to_norm and clip_grad_norm_ return).")
+    return None
+
+
+EXERCISES["recipe_step"] = Exercise(
+    "recipe_step(model, optimizer, scheduler, parts, config) makes one step of the capstone's "
+    "recipe on this rank's sequences, given as micro-batches `parts` (tensors of whole "
+    "sequences, of unequal sizes), and returns (loss, norm) as Python floats: the mean "
+    "next-byte loss of this rank's sequences and the global gradient norm before clipping. "
+    "`model` is laid out as train.build lays it out (tensor parallelism over \"tp\", FSDP2 over "
+    "\"dp\"; in bfloat16 or float64 as config says), `optimizer` and `scheduler` are "
+    "train.make_optimizer's. What must hold: in float64, each step equals one process on the "
+    "whole batch (train.one_process: its loss and norm to a relative 1e-9, the weights at the "
+    "end within 1e-5); the step runs at the rate "
+    "the schedule gives it; FSDP2 reduce-scatters each unit once a step, whatever the number of "
+    "micro-batches; the loss is taken on logits of float32 at least (bfloat16 ones upcast, "
+    "float64 ones as they are). "
+    "The checker runs the course's loop with your step in place of train.train_step, on 4 "
+    "ranks, 3 steps, and watches each step's communication and the dtype given to the loss "
+    "functions (cross_entropy, log_softmax, nll_loss)",
+    RECIPE_CASES,
+    _recipe_expected,
+    distributed=False,
+    harness=_recipe_run,
+    names=RECIPE_NAMES,
+    rel_tol=REL_TOL,
+    timeout=120,
+    hint="each step is the whole batch's: the micro-batches' losses weighted by their share of "
+         "the sequences, the gradients reduced over dp once, clipped by the global norm, then "
+         "the optimizer's step and the schedule's.",
+    hint_for=_recipe_hint,
+)
+
+
+# --- the torchrun entry point (design) ----------------------------------------------------------
+
+# A float64 run of 6 steps on the 2 x 2 mesh, no checkpoint but the one a stop makes
+ENTRY = replace(RECIPE, steps=6, save_every=0)
+# (the rank the signal lands on, the step it ends when it does, the signal)
+ENTRY_CASES = [(1, 2, "SIGTERM"), (3, 4, "SIGINT")]
+ENTRY_NAMES = ("how the signalled run ended", "the step each rank stopped after",
+               "the step of the newest checkpoint", "how the run started again ended",
+               "the step the run started again resumed after",
+               "its losses, by step", "its weights at the end")
+ENTRY_TIMEOUT = 90  # seconds for one torchrun: about 15 on a 2-core laptop
+
+
+def _ended(job) -> str:
+    """How a torchrun job ended, in a few words: its exit code, then which ranks exited how
+    (the agent's lines), then the last line of a worker's traceback, if one was printed."""
+    from helpers.checkpoints_and_failures.elastic import agent_story
+
+    if job.returncode == 0:
+        return "exit code 0"
+    exits = [what for _, what in agent_story(job) if "exited" in what]
+    errors = [line.split("]:", 1)[-1].strip() for _, line in job.agent
+              if ("Error" in line or "Interrupt" in line) and "elastic" not in line]
+    return "; ".join([f"exit code {job.returncode}", *exits, *errors[-1:]])
+
+
+def _torchrun(function, job):
+    """One torchrun of 4 ranks, each running function(job) (helpers.capstone.entry): the Job,
+    or a sentence if it did not end in time."""
+    from helpers.capstone.entry import PAYLOAD
+    from helpers.checkpoints_and_failures.elastic import FINAL_FILE, run_torchrun
+
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(job.directory, FINAL_FILE))
+    with open(os.path.join(job.directory, PAYLOAD), "wb") as payload:
+        cloudpickle.dump((function, job), payload)
+    try:
+        ran = run_torchrun("helpers.capstone.entry", [job.directory], job.directory,
+                           nproc=WORLD, max_restarts=0, timeout=ENTRY_TIMEOUT)
+    except TimeoutError as error:
+        which = "the signalled run" if job.signal_rank is not None else "the run started again"
+        return (f"{which} did not end within {ENTRY_TIMEOUT} s and was killed: some rank "
+                "waited for the others. torchrun's last lines:\n"
+                + "\n".join(str(error).split("\n")[1:][-5:]))
+    if any("NotImplementedError" in line for _, line in ran.agent):
+        raise NotImplementedError  # not started: the engine says so kindly
+    return ran
+
+
+def _only_raises_not_implemented(function) -> bool:
+    """Whether `function` is a stub, `raise NotImplementedError` and nothing else: the only
+    name its code uses. (torchrun takes seconds to start; the engine greets a stub at once.)"""
+    code = getattr(function, "__code__", None)
+    return code is not None and code.co_names == ("NotImplementedError",)
+
+
+def _stopped_after(job) -> list:
+    """The last step each rank trained, from its events ([] if none trained)."""
+    last = {}
+    for event in job.events:
+        if event["event"] == "step":
+            last[event["rank"]] = max(event["step"], last.get(event["rank"], 0))
+    return sorted(set(last.values()))
+
+
+def _entry_run(function, rank, after, signal_name):
+    """The learner's entry point under torchrun, twice in one directory: rank `rank` signalled
+    as it ends step `after`, then started again with no signal. Returns how each run ended, the
+    steps the ranks stopped after, the newest checkpoint's step, and the second run's first
+    step, losses and weights."""
+    from helpers.capstone.entry import StopJob
+    from helpers.checkpoints_and_failures.resume import latest_checkpoint
+
+    if _only_raises_not_implemented(function):  # the notebook's stub: no torchrun for it
+        raise NotImplementedError
+    with tempfile.TemporaryDirectory(prefix="helpers-entry-") as directory:
+        job = StopJob(ENTRY, directory, rank, after, getattr(signal, signal_name))
+        signalled = _torchrun(function, job)
+        if isinstance(signalled, str):
+            return signalled
+        first = (_ended(signalled), _stopped_after(signalled), latest_checkpoint(directory)[1])
+        again = _torchrun(function, replace(job, signal_rank=None))
+        if isinstance(again, str):
+            return again
+        history = again.result
+        if history is None:
+            return (*first, _ended(again), "no History: the run started again did not finish",
+                    None, None)
+        return (*first, _ended(again), history.started_after, history.losses(),
+                history.weights)
+
+
+@functools.cache
+def _entry_expected(rank, after, signal_name):
+    """Every rank stops after step `after`, its checkpoint the newest; the run started again
+    goes on from there and trains as one process does (train.one_process)."""
+    alone = train.one_process(ENTRY)
+    losses = {step: loss for step, loss in alone.losses().items() if step > after}
+    return ("exit code 0", [after], after, "exit code 0", after, losses, alone.weights)
+
+
+def _entry_hint(got, expected, rank, after, signal_name) -> str | None:
+    if isinstance(got, str):
+        if "did not end" in got:
+            return ("when one rank stops and the others go on, the stopping rank's checkpoint "
+                    "(a collective) and the others' next step wait for each other: every rank "
+                    "must answer stop(step) alike. An all_reduce of the flag (MAX) makes one "
+                    "answer of every rank's.")
+        return None
+    if not isinstance(got, tuple) or len(got) != len(expected):
+        return None
+    ended, stopped = got[0], got[1]
+    if ended != "exit code 0":
+        if f"rank {rank} exited with -{getattr(signal, signal_name).value}" not in ended:
+            return None
+        if signal_name == "SIGINT":
+            return (f"Python turns SIGINT into KeyboardInterrupt, which ended rank {rank} in "
+                    "the middle of its work: handle SIGINT as SIGTERM, with a flag.")
+        return (f"{signal_name} ended rank {rank} at once: by default it ends a process. "
+                "Install a handler (signal.signal) that only raises a flag, before training "
+                "starts.")
+    if stopped != expected[1]:
+        if stopped == [ENTRY.steps]:
+            return ("the run went on to the end: stop(step) must return True once a signal "
+                    "has come, to any rank.")
+        return None
+    if got[2] != expected[2]:
+        return ("no checkpoint was made where the run stopped: job.train saves one when "
+                "stop(step) returns True.")
+    if got[3] != "exit code 0":
+        return ("the signalled run ended well, the one started after it did not: do the "
+                "handlers, the flag or the exit depend on a signal having come?")
+    return None
+
+
+EXERCISES["entry_point"] = Exercise(
+    "entry_point(job) is what each of 4 ranks runs under torchrun (torchrun has set RANK, "
+    "WORLD_SIZE, MASTER_ADDR and MASTER_PORT): it joins the process group, trains with "
+    "job.train(stop), and leaves. job.train asks stop(step) after every step; True makes it "
+    "save a checkpoint and return; it resumes from the newest checkpoint by itself. What must "
+    "hold: a SIGTERM or a SIGINT that lands on one rank alone, mid-run, stops every rank after "
+    "the same step, the one that rank was ending, with a checkpoint of it; every rank exits with "
+    "code 0, the signalled run and the run started again; the run started again resumes after "
+    "that step and ends as one process trains (train.one_process: its losses to a relative "
+    "1e-9, its weights within 1e-5). The checker runs torchrun "
+    "twice in one directory: first with rank r sent the signal as it ends step s (after the "
+    "update, before stop(s) is asked), then with no signal",
+    ENTRY_CASES,
+    _entry_expected,
+    distributed=False,
+    harness=_entry_run,
+    names=ENTRY_NAMES,
+    rel_tol=REL_TOL,
+    timeout=2 * ENTRY_TIMEOUT,
+    hint="a signal must not end a rank: it raises a flag; after every step the ranks agree "
+         "whether any flag is up, and all stop together.",
+    hint_for=_entry_hint,
+)
 
 # --- one norm over two mesh dimensions ----------------------------------------------------------
 

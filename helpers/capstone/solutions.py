@@ -1,14 +1,19 @@
 """Reference solutions of lesson 14's exercises. Try the exercise first."""
 
 import math
+import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import layouts, reference, strategies
 from helpers.at_scale.accounting import clip_to_norm
+from helpers.capstone import train
 from helpers.checkpoints_and_failures.resume import (
     checkpoint_path,
     latest_checkpoint,
@@ -59,3 +64,39 @@ def global_norm(rank, world_size, pieces):
             total += piece.to_local().double().pow(2).sum()
     dist.all_reduce(total)  # the one communication: dp and tp as one group
     return math.sqrt(total.item())
+
+
+def recipe_step(model, optimizer, scheduler, parts, config):
+    sequences = sum(len(part) for part in parts)
+    loss_sum = 0.0
+    for index, part in enumerate(parts):
+        model.set_requires_gradient_sync(index == len(parts) - 1)  # accumulate, then reduce once
+        with train.parallel_loss(config):  # under tp the logits stay cut by the vocabulary
+            logits = model(part[:, :-1])  # bfloat16 under FSDP2's policy: the loss in float32
+            part_loss = F.cross_entropy(logits.flatten(0, 1).float() if config.bf16
+                                        else logits.flatten(0, 1), part[:, 1:].flatten())
+            loss = part_loss * len(part) / sequences  # each part by its share of the sequences
+            loss.backward()
+        loss_sum += train.whole(loss.detach()).item()
+    norm = clip_to_norm(model, config.clip)  # the global norm, over dp and tp
+    optimizer.step()
+    scheduler.step()  # once a step: the rate of the next one
+    optimizer.zero_grad()
+    return loss_sum, train.whole(norm).item()
+
+
+def entry_point(job):
+    dist.init_process_group()  # torchrun's variables; gloo for CPU tensors, NCCL for CUDA ones
+    asked = []
+    for number in (signal.SIGINT, signal.SIGTERM):  # from now on a signal only raises a flag
+        signal.signal(number, lambda number, frame: asked.append(number))
+
+    def stop(step) -> bool:  # any rank asked: every rank stops, after the same step
+        flag = torch.tensor([float(bool(asked))], device=get_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    job.train(stop)  # saves a checkpoint when stop says so, and returns
+    dist.barrier()  # every rank done with the checkpoint before any leaves
+    sys.stdout.flush()
+    os._exit(0)  # without torch's C++ destructors, which can abort at exit after a backward
