@@ -9,7 +9,8 @@ __main__: `make train`, that script for 600 steps, and the committed record of o
 (trained.json). sample: what a model writes. profiled: two steps under torch.profiler, what each
 choice of the recipe costs, and the machine's matmul peak; traces: compute, communication and
 their overlap, read from the profiler's traces. plots: drawn in the kernel. exercises: the checked
-exercise; solutions: its reference solution.
+exercises; entry: the torchrun script the entry-point exercise's checker runs; solutions: their
+reference solutions.
 """
 
 NOTEBOOK = "14_capstone.ipynb"
@@ -31,6 +32,8 @@ BUILDS_ON = {
                                                       "reference solution)",
     "checkpoints_and_failures.elastic:FINAL_FILE": "lesson 12's torchrun job",
     "checkpoints_and_failures.elastic:Job": "lesson 12's torchrun job",
+    "checkpoints_and_failures.elastic:agent_story": "lesson 12's reading of torchrun's agent "
+                                                    "(the entry-point exercise's messages)",
     "checkpoints_and_failures.elastic:run_torchrun": "lesson 12's torchrun job",
     "checkpoints_and_failures.elastic:torchrun_command": "lesson 12's torchrun job",
     "checkpoints_and_failures.elastic:torchrun_environment": "lesson 12's torchrun job",
