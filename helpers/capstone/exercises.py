@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import os
+import pathlib
+import re
 import signal
 import tempfile
 import weakref
@@ -646,20 +649,21 @@ def _recipe_hint(got, expected, sizes, precision) -> str | None:
 
 EXERCISES["recipe_step"] = Exercise(
     "recipe_step(model, optimizer, scheduler, parts, config) makes one step of the capstone's "
-    "recipe on this rank's sequences, given as micro-batches `parts` (tensors of whole "
-    "sequences, of unequal sizes), and returns (loss, norm) as Python floats: the mean "
-    "next-byte loss of this rank's sequences and the global gradient norm before clipping. "
-    "`model` is laid out as train.build lays it out (tensor parallelism over \"tp\", FSDP2 over "
-    "\"dp\"; in bfloat16 or float64 as config says), `optimizer` and `scheduler` are "
-    "train.make_optimizer's. What must hold: in float64, each step equals one process on the "
-    "whole batch (train.one_process: its loss and norm to a relative 1e-9, the weights at the "
-    "end within 1e-5); the step runs at the rate "
-    "the schedule gives it; FSDP2 reduce-scatters each unit once a step, whatever the number of "
+    "recipe on this rank's sequences and returns (loss, norm) as Python floats: the mean "
+    "next-byte loss of this rank's sequences (the loop averages it over dp) and the global "
+    "gradient norm before clipping. `parts` is a list of micro-batches, token tensors shaped as "
+    "train.train_step's `tokens` (whole sequences of config.seq_len + 1 bytes), of unequal "
+    "sizes. `model` is laid out as train.build lays it out (tensor parallelism over \"tp\", "
+    "FSDP2 over \"dp\"; in bfloat16 or float64 as config says), `optimizer` and `scheduler` are "
+    "train.make_optimizer's; train.next_token_loss, train.parallel_loss, train.whole and "
+    "train.clip_to_norm are yours to use. What must hold: in float64, each step equals one "
+    "process on the whole batch (train.one_process: the dp mean of your loss, and your norm, "
+    "to a relative 1e-9; the weights at the end within 1e-5); the step runs at the rate the "
+    "schedule gives it; FSDP2 reduce-scatters each unit once a step, whatever the number of "
     "micro-batches; the loss is taken on logits of float32 at least (bfloat16 ones upcast, "
-    "float64 ones as they are). "
-    "The checker runs the course's loop with your step in place of train.train_step, on 4 "
-    "ranks, 3 steps, and watches each step's communication and the dtype given to the loss "
-    "functions (cross_entropy, log_softmax, nll_loss)",
+    "float64 ones as they are). The checker runs the course's loop with your step in place of "
+    "train.train_step, on 4 ranks, 3 steps, and watches each step's communication and the "
+    "dtype given to the loss functions (cross_entropy, log_softmax, nll_loss)",
     RECIPE_CASES,
     _recipe_expected,
     distributed=False,
@@ -694,9 +698,17 @@ def _ended(job) -> str:
 
     if job.returncode == 0:
         return "exit code 0"
-    exits = [what for _, what in agent_story(job) if "exited" in what]
-    errors = [line.split("]:", 1)[-1].strip() for _, line in job.agent
-              if ("Error" in line or "Interrupt" in line) and "elastic" not in line]
+    exits = []
+    for _, what in agent_story(job):
+        code = re.fullmatch(r"rank \d+ exited with (-?\d+)", what)
+        if code:
+            number = -int(code.group(1))
+            exits.append(f"{what} ({signal.Signals(number).name})" if number in
+                         signal.valid_signals() else what)
+    # a worker's exception, as its traceback's last line says it: "ValueError: ..."
+    errors = [text for text in (line.split("]:", 1)[-1].strip() for _, line in job.agent)
+              if re.match(r"[\w.]*(Error|Exception|Interrupt)\b(:|$)", text)
+              and "ChildFailedError" not in text]
     return "; ".join([f"exit code {job.returncode}", *exits, *errors[-1:]])
 
 
@@ -713,14 +725,25 @@ def _torchrun(function, job):
     try:
         ran = run_torchrun("helpers.capstone.entry", [job.directory], job.directory,
                            nproc=WORLD, max_restarts=0, timeout=ENTRY_TIMEOUT)
-    except TimeoutError as error:
+    except TimeoutError:
         which = "the signalled run" if job.signal_rank is not None else "the run started again"
         return (f"{which} did not end within {ENTRY_TIMEOUT} s and was killed: some rank "
-                "waited for the others. torchrun's last lines:\n"
-                + "\n".join(str(error).split("\n")[1:][-5:]))
+                f"waited for the others. Where each rank was: {_last_events(job.directory)}")
     if any("NotImplementedError" in line for _, line in ran.agent):
         raise NotImplementedError  # not started: the engine says so kindly
     return ran
+
+
+def _last_events(directory) -> str:
+    """Each rank's last event (its events.rank<r>.jsonl): "rank 0: step 3, rank 1: saved 2"."""
+    found = []
+    for rank in range(WORLD):
+        path = os.path.join(directory, f"events.rank{rank}.jsonl")
+        lines = pathlib.Path(path).read_text().splitlines() if os.path.exists(path) else []
+        event = json.loads(lines[-1]) if lines else None
+        found.append(f"rank {rank}: {event['event']} {event['step']}" if event
+                     else f"rank {rank}: no event")
+    return ", ".join(found)
 
 
 def _only_raises_not_implemented(function) -> bool:
@@ -811,16 +834,17 @@ def _entry_hint(got, expected, rank, after, signal_name) -> str | None:
 
 EXERCISES["entry_point"] = Exercise(
     "entry_point(job) is what each of 4 ranks runs under torchrun (torchrun has set RANK, "
-    "WORLD_SIZE, MASTER_ADDR and MASTER_PORT): it joins the process group, trains with "
-    "job.train(stop), and leaves. job.train asks stop(step) after every step; True makes it "
-    "save a checkpoint and return; it resumes from the newest checkpoint by itself. What must "
-    "hold: a SIGTERM or a SIGINT that lands on one rank alone, mid-run, stops every rank after "
-    "the same step, the one that rank was ending, with a checkpoint of it; every rank exits with "
-    "code 0, the signalled run and the run started again; the run started again resumes after "
-    "that step and ends as one process trains (train.one_process: its losses to a relative "
-    "1e-9, its weights within 1e-5). The checker runs torchrun "
-    "twice in one directory: first with rank r sent the signal as it ends step s (after the "
-    "update, before stop(s) is asked), then with no signal",
+    "WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which init_process_group() reads): it joins the "
+    "process group, makes its signal handlers, trains with job.train(stop), and leaves as "
+    "job.main does. job.train asks stop(step) after every step; True makes it save a checkpoint "
+    "and return; it resumes from the newest checkpoint by itself. What must hold: a SIGTERM or "
+    "a SIGINT that lands on one rank alone, mid-run, stops every rank after the same step, the "
+    "one that rank was ending, with a checkpoint of it; every rank exits with code 0, the "
+    "signalled run and the run started again; the run started again resumes after that step "
+    "and ends as one process trains (train.one_process: its losses to a relative 1e-9, its "
+    "weights within 1e-5). The checker runs torchrun twice in one directory: first with rank r "
+    "sent the signal as it ends step s (after the update, before stop(s) is asked), then with "
+    "no signal",
     ENTRY_CASES,
     _entry_expected,
     distributed=False,
