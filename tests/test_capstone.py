@@ -3,6 +3,7 @@ refuses what it cannot run, and learns: the corpus, its baseline, the schedule; 
 checkers reject typical mistakes."""
 
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -770,3 +771,27 @@ ENTRY = "For the case rank=1, after=2, signal_name='SIGTERM': "
 def test_the_entry_point_checker_rejects(mistake, says, hint):
     text = expect_rejection("entry_point", mistake, says)
     assert hint in text, text
+
+
+def test_the_entry_point_checker_says_how_a_torchrun_ended_and_where_each_rank_was(tmp_path):
+    """From torchrun's agent lines: the exit code, which rank died of which signal, and the first
+    worker exception (the rank that failed first), not torchrun's own ChildFailedError; from the
+    ranks' events: where each one was when a hung run was killed."""
+    from helpers.capstone.exercises import _ended, _last_events
+    from helpers.checkpoints_and_failures.elastic import Job
+
+    agent = [(1.0, "[default0]:I1129 api.py] Starting worker group"),
+             (2.0, "[rank3]: KeyboardInterrupt"),
+             (2.5, "[rank0]: RuntimeError: Connection closed by peer"),
+             (3.0, "E1129 api.py] failed (exitcode: -2) local_rank: 3 (pid: 7) of binary: x"),
+             (3.1, "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")]
+    assert _ended(Job(1, agent, [], None, 0.0)) == (
+        "exit code 1; rank 3 exited with -2 (SIGINT); KeyboardInterrupt")
+    assert _ended(Job(0, agent, [], None, 0.0)) == "exit code 0"
+    for rank, events in {0: [("started", 0), ("step", 1), ("step", 2)], 1: [("saved", 2)],
+                         2: [("returned", 2)]}.items():
+        (tmp_path / f"events.rank{rank}.jsonl").write_text("".join(
+            json.dumps({"event": event, "step": step}) + "\n" for event, step in events))
+    assert _last_events(str(tmp_path)) == ("rank 0 had ended step 2, rank 1 had saved step 2, "
+                                           "rank 2 had returned after step 2, rank 3 had not "
+                                           "started")

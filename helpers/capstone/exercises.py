@@ -709,7 +709,8 @@ def _ended(job) -> str:
     errors = [text for text in (line.split("]:", 1)[-1].strip() for _, line in job.agent)
               if re.match(r"[\w.]*(Error|Exception|Interrupt)\b(:|$)", text)
               and "ChildFailedError" not in text]
-    return "; ".join([f"exit code {job.returncode}", *exits, *errors[-1:]])
+    # the first: the rank that failed first says why; the others then lose their connections
+    return "; ".join([f"exit code {job.returncode}", *exits, *errors[:1]])
 
 
 def _torchrun(function, job):
@@ -728,21 +729,26 @@ def _torchrun(function, job):
     except TimeoutError:
         which = "the signalled run" if job.signal_rank is not None else "the run started again"
         return (f"{which} did not end within {ENTRY_TIMEOUT} s and was killed: some rank "
-                f"waited for the others. Where each rank was: {_last_events(job.directory)}")
+                f"waited for the others: {_last_events(job.directory)}")
     if any("NotImplementedError" in line for _, line in ran.agent):
         raise NotImplementedError  # not started: the engine says so kindly
     return ran
 
 
+LAST_EVENT = {"started": "had started after step", "step": "had ended step",
+              "saved": "had saved step", "returned": "had returned after step"}
+
+
 def _last_events(directory) -> str:
-    """Each rank's last event (its events.rank<r>.jsonl): "rank 0: step 3, rank 1: saved 2"."""
+    """Each rank's last event (its events.rank<r>.jsonl): "rank 0 had ended step 3, rank 1 had
+    saved step 2"."""
     found = []
     for rank in range(WORLD):
         path = os.path.join(directory, f"events.rank{rank}.jsonl")
         lines = pathlib.Path(path).read_text().splitlines() if os.path.exists(path) else []
         event = json.loads(lines[-1]) if lines else None
-        found.append(f"rank {rank}: {event['event']} {event['step']}" if event
-                     else f"rank {rank}: no event")
+        what = LAST_EVENT.get(event["event"], event["event"]) if event else "had not started"
+        found.append(f"rank {rank} {what}" + (f" {event['step']}" if event else ""))
     return ", ".join(found)
 
 
