@@ -6,6 +6,12 @@
   lesson 12's cell 25 failed once in three runs under ATEN_CPU_CAPABILITY=default beside three
   other notebooks. The wait is raised to NBVAL_OUTPUT_WAIT_S; a cell that hangs still ends at
   nbval's cell timeout.
+- A kernel that dies before it answers is started again, up to KERNEL_STARTS times in all, with
+  a warning that quotes its last words. Once in a CI run, beside pip installing another Python's
+  environment, one kernel died so (nbval sends a kernel's stderr to /dev/null; the likeliest
+  cause: jupyter_client picks the kernel's TCP ports free, then the kernel binds them, and the
+  ranks' gloo connections take ephemeral ports all the while), and every cell of its notebook
+  failed without running.
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (a first line
   `# NBVAL_IGNORE_OUTPUT` and a `# (timings)` line under it) is not run when no later cell of its
   notebook needs a name it assigns. The other-CPU tier uses it: such a cell compares nothing
@@ -13,11 +19,48 @@
 """
 
 import ast
+import functools
 import os
+import tempfile
+import warnings
 
 import pytest
 
 NBVAL_OUTPUT_WAIT_S = 60
+KERNEL_STARTS = 3
+
+
+def started_again_if_it_dies(start_new_kernel, starts: int = KERNEL_STARTS):
+    """nbval's start_new_kernel, which starts a kernel again if it dies before it answers (up to
+    `starts` times in all), with a warning that quotes the last lines it wrote to stderr."""
+
+    @functools.wraps(start_new_kernel)
+    def start(*args, **kwargs):
+        for attempt in range(1, starts + 1):
+            with tempfile.TemporaryFile(mode="w+") as stderr:  # the kernel keeps its own copy
+                try:
+                    return start_new_kernel(*args, **{**kwargs, "stderr": stderr})
+                except RuntimeError as error:
+                    if "died" not in str(error) or attempt == starts:
+                        raise
+                    stderr.seek(0)
+                    last = stderr.read().strip().splitlines()[-3:]
+                    warnings.warn(f"a notebook's kernel died before it answered (start {attempt} "
+                                  f"of {starts}); it said: {' | '.join(last) or 'nothing'}; "
+                                  "starting another", stacklevel=2)
+        raise AssertionError("unreachable")
+
+    start.started_again = True
+    return start
+
+
+try:
+    import nbval.kernel
+except ImportError:  # pytest without nbval: no notebooks to run
+    pass
+else:
+    if not getattr(nbval.kernel.start_new_kernel, "started_again", False):
+        nbval.kernel.start_new_kernel = started_again_if_it_dies(nbval.kernel.start_new_kernel)
 
 
 def pytest_addoption(parser):
