@@ -693,7 +693,7 @@ ENTRY_TIMEOUT = 90  # seconds for one torchrun: about 15 on a 2-core laptop
 
 def _ended(job) -> str:
     """How a torchrun job ended, in a few words: its exit code, then which ranks exited how
-    (the agent's lines), then the last line of a worker's traceback, if one was printed."""
+    (the agent's lines, with the signal's name), then the first exception a worker printed."""
     from helpers.checkpoints_and_failures.elastic import agent_story
 
     if job.returncode == 0:
