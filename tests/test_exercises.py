@@ -44,6 +44,23 @@ def test_an_unstarted_exercise_gets_a_friendly_message(name):
     assert repr(result).endswith(f"The task: {exercises.exercises()[name].task}.")
 
 
+def test_a_stub_is_greeted_without_running_a_case(monkeypatch):
+    """The notebooks' stubs (`raise NotImplementedError` and nothing else) start no ranks and no
+    torchrun; a function that raises it after doing something runs as any other."""
+    def never(*args):
+        raise AssertionError("a case ran")
+
+    monkeypatch.setattr(exercises, "_check_case", never)
+    assert "waiting for your code" in repr(exercises.check("entry_point", not_started))
+
+    def started(rank, world_size):
+        print(rank)
+        raise NotImplementedError
+
+    with pytest.raises(AssertionError, match="a case ran"):
+        exercises.check("even_odd_sum", started)
+
+
 def test_every_lesson_has_exercises_and_each_knows_its_lesson():
     by_lesson = {}
     for name, exercise in exercises.exercises().items():

@@ -549,8 +549,6 @@ def _recipe_worker(rank, world_size, function, sizes, precision):
 
 
 def _recipe_run(function, sizes, precision):
-    if _only_raises_not_implemented(function):  # the notebook's stub: no ranks for it
-        raise NotImplementedError
     try:
         found = run(_recipe_worker, WORLD, args=(function, sizes, precision), timeout=120,
                     show_output=False)[0]
@@ -752,13 +750,6 @@ def _last_events(directory) -> str:
     return ", ".join(found)
 
 
-def _only_raises_not_implemented(function) -> bool:
-    """Whether `function` is a stub, `raise NotImplementedError` and nothing else: the only
-    name its code uses. (torchrun takes seconds to start; the engine greets a stub at once.)"""
-    code = getattr(function, "__code__", None)
-    return code is not None and code.co_names == ("NotImplementedError",)
-
-
 def _stopped_after(job) -> list:
     """The last step each rank trained, from its events ([] if none trained)."""
     last = {}
@@ -776,8 +767,6 @@ def _entry_run(function, rank, after, signal_name):
     from helpers.capstone.entry import StopJob
     from helpers.checkpoints_and_failures.resume import latest_checkpoint
 
-    if _only_raises_not_implemented(function):  # the notebook's stub: no torchrun for it
-        raise NotImplementedError
     with tempfile.TemporaryDirectory(prefix="helpers-entry-") as directory:
         job = StopJob(ENTRY, directory, rank, after, getattr(signal, signal_name))
         signalled = _torchrun(function, job)
