@@ -23,16 +23,19 @@ step() (stage 1), which asks nothing of the caller either.
     zero_3                      zero_and_fsdp.fsdp.FSDP, per layer or per block 07
     zero_redundancy_optimizer   torch's DDP with ZeroRedundancyOptimizer        -
     fully_shard                 FSDP2 (helpers.layouts.apply_fsdp)              -
-    dp_tp                       tensor parallel x FSDP2 on a ("dp", "tp")       -
-                                mesh (helpers.layouts.apply_dp_tp)
+    dp_tp                       tensor parallel x FSDP2 by a layouts.Plan       -
+                                (helpers.layouts.lay_out)
 
-Options (keywords; each name takes those that apply to it): `mesh` (a DeviceMesh; the hand-built
-ones use its process group; by default the whole world, and for dp_tp pairs of ranks),
+Options (keywords; each name takes those that apply to it): `plan` (dp_tp: a helpers.layouts.Plan,
+any degrees; by default pairs of ranks in tensor-parallel groups, Plan(dp=n / 2, tp=2)), `mesh`
+(a DeviceMesh; the hand-built ones use its process group; by default the whole world, and for
+dp_tp `layouts.make_mesh(plan)`),
 `bucket_mb`, `unit` (zero_3: "layer" by default, as lesson 07 builds it; fully_shard: "block",
 as FSDP2's documentation wraps a transformer), `compute_dtype` (zero_3), `optimizer` and `lr`
 (helpers.reference), `max_grad_norm` (clip the global gradient norm before each step: the
 sharded optimizers clip their pieces, the others with a step pre-hook), `recompute` (activation
-checkpointing of every block, helpers.layouts.apply_ac: "none", "selective" or "full").
+checkpointing of every block, helpers.layouts.apply_ac: "none", "selective" or "full"; dp_tp
+takes it from its plan).
 Everything is built on the launcher's device (`get_device()`: a GPU under NCCL, else the CPU).
 
     full_parameters(module)        every whole parameter, by the unwrapped model's names
@@ -50,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import logging
 import math
 import warnings
 
@@ -64,21 +66,40 @@ from helpers.instrument import Observer
 from helpers.launcher.result import get_device
 from helpers.timing import take_turns, training_step
 
+# The names this shared module takes from lessons (tests/test_structure.py checks the imports, as
+# it checks each lesson's): the hand-built strategies stay in the lessons that teach them (06, 07)
+# and are built here by name, so that later lessons and the benchmarks compare them with
+# PyTorch's (CONTRIBUTING.md, "Shared code and lessons").
+BUILDS_ON = {
+    "data_parallelism.ddp:AverageAfterBackward": "lesson 06's naive data parallelism",
+    "data_parallelism.ddp:DDP": "lesson 06's bucketed, overlapped DDP",
+    "zero_and_fsdp.sharded_optimizer:ShardedOptimizer": "lesson 07's ZeRO stages 1 and 2",
+    "zero_and_fsdp.bucketed_optimizer:BucketedShardedOptimizer": "lesson 07's ZeRO 1 and 2 in "
+                                                                 "buckets",
+    "zero_and_fsdp.fsdp:FSDP": "lesson 07's ZeRO stage 3",
+}
+
 STRATEGIES = ("one_process", "naive", "ddp", "torch_ddp", "zero_1", "zero_2", "zero_3",
               "zero_redundancy_optimizer", "fully_shard", "dp_tp")
 SYNC = ("each_micro_batch", "last_micro_batch")  # accumulation: when gradients are reduced
 MESHED = ("fully_shard", "dp_tp")  # laid out on a DeviceMesh (default_mesh, unless given one)
+TP = 2  # dp_tp's default tensor-parallel degree
 
 
 def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = None,
           unit: str | None = None, compute_dtype: torch.dtype | None = None,
           optimizer: str = "adamw", lr: float = reference.LR, max_grad_norm: float | None = None,
-          recompute: str = "none") -> tuple[nn.Module, torch.optim.Optimizer]:
+          recompute: str = "none", plan: layouts.Plan | None = None,
+          ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """`model` (changed in place: pass a copy to keep it) laid out as strategy `name`, and its
     optimizer: (the module to call, the optimizer to step). See the module docstring."""
     check(name)
+    if plan is not None and name != "dp_tp":
+        raise ValueError(f"a plan lays out dp_tp, not {name!r}")
     model = model.to(get_device())  # in place: a Module's to() moves its own tensors
-    if name != "dp_tp":  # (dp_tp checkpoints between tensor parallelism and FSDP2)
+    if name == "dp_tp":  # (lay_out checkpoints between tensor parallelism and FSDP2)
+        plan = plan_for(name, plan, recompute)
+    else:
         layouts.apply_ac(model, recompute)
     optimizer_cls, settings = reference.OPTIMIZERS[optimizer]
     settings = {**settings, "lr": lr}
@@ -93,7 +114,7 @@ def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = N
             return model, ShardedOptimizer(model.parameters(), optimizer_cls, **sharded)
         return model, BucketedShardedOptimizer(model.parameters(), optimizer_cls,
                                                bucket_mb=bucket_mb, **sharded)
-    module, clip = _module(name, model, mesh, group, bucket_mb, unit, compute_dtype, recompute)
+    module, clip = _module(name, model, mesh, group, bucket_mb, unit, compute_dtype, plan)
     if name == "zero_redundancy_optimizer":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -109,7 +130,7 @@ def build(name: str, model: nn.Module, *, mesh=None, bucket_mb: float | None = N
     return module, made
 
 
-def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype, recompute):
+def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype, plan):
     """The module of a strategy whose optimizer is a plain one, and how to clip its gradients."""
     def clip_whole(max_norm):
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -141,7 +162,7 @@ def _module(name, model, mesh, group, bucket_mb, unit, compute_dtype, recompute)
     if name == "fully_shard":
         layouts.apply_fsdp(model, mesh_for(name, mesh), unit=unit or "block")
     else:  # dp_tp
-        layouts.apply_dp_tp(model, mesh_for(name, mesh), recompute=recompute)
+        layouts.lay_out(model, mesh_for(name, mesh, plan), plan)
     return model, clip_whole
 
 
@@ -149,24 +170,36 @@ def _blocks(model: nn.Module):
     return getattr(model, "blocks", getattr(model, "layers", None))
 
 
-def default_mesh(name: str):
-    """The mesh `build` lays `name` out on when given none: the whole world in one dimension;
-    for dp_tp, pairs of ranks ("tp") in a "dp" dimension."""
-    from torch.distributed.device_mesh import init_device_mesh
+def plan_for(name: str, plan: layouts.Plan | None = None, recompute: str = "none"):
+    """The layouts.Plan strategy `name` is laid out by: for dp_tp `plan`, or by default every
+    pair of ranks a tensor-parallel group (Plan(dp=n / 2, tp=2, recompute)); for fully_shard
+    every rank in "dp"; None for the others."""
+    if name not in MESHED:
+        return None
+    if plan is not None:
+        if recompute != "none" and recompute != plan.recompute:
+            raise ValueError(f"recompute={recompute!r} and a plan that says "
+                             f"{plan.recompute!r}: say it in the plan")
+        return plan
+    world_size = dist.get_world_size()
+    if name == "fully_shard":
+        return layouts.Plan(dp=world_size)
+    if world_size % TP:
+        raise ValueError(f"dp_tp puts {TP} ranks in each tensor-parallel group by default; "
+                         f"{world_size} ranks do not split so: give a plan")
+    return layouts.Plan(dp=world_size // TP, tp=TP, recompute=recompute)
 
-    world_size, device = dist.get_world_size(), get_device().type
-    if name != "dp_tp":
-        return init_device_mesh(device, (world_size,))
-    if world_size % 2:
-        raise ValueError(f"dp_tp puts 2 ranks in each tensor-parallel group; {world_size} "
-                         "ranks do not split in pairs")
-    return init_device_mesh(device, (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+
+def default_mesh(name: str, plan: layouts.Plan | None = None):
+    """The mesh `build` lays `name` out on when given none: layouts.make_mesh of its plan
+    (plan_for): the whole world in one dimension, "dp"; for dp_tp, ("dp", "tp")."""
+    return layouts.make_mesh(plan_for(name, plan))
 
 
-def mesh_for(name: str, mesh=None):
-    """The mesh strategy `name` is laid out on: `mesh` if given, else default_mesh(name) for
-    those laid out on a DeviceMesh (MESHED), else None (the whole world's group)."""
-    return mesh if mesh is not None or name not in MESHED else default_mesh(name)
+def mesh_for(name: str, mesh=None, plan: layouts.Plan | None = None):
+    """The mesh strategy `name` is laid out on: `mesh` if given, else default_mesh(name, plan)
+    for those laid out on a DeviceMesh (MESHED), else None (the whole world's group)."""
+    return mesh if mesh is not None or name not in MESHED else default_mesh(name, plan)
 
 
 def batch_shard(mesh=None) -> tuple[int, int]:
@@ -201,16 +234,9 @@ def full_parameters(module: nn.Module) -> dict:
     call it: the sharded strategies gather."""
     if hasattr(module, "gather_full_params"):
         return {name: value.cpu() for name, value in module.gather_full_params().items()}
-    # A (dp, tp) parameter is _StridedShard over dp and Shard over tp; gathering it whole takes
-    # two all-gathers, which DTensor's redistribute logs a warning about: here it is a check
-    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute.level
-    redistribute.setLevel(logging.ERROR)
-    try:
+    with layouts.quiet_redistribute():  # a (dp, tp) parameter takes two all-gathers: a check
         return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
                 .clone().cpu() for name, param in unwrapped(module).named_parameters()}
-    finally:
-        redistribute.setLevel(level)
 
 
 def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -277,7 +303,7 @@ def step_times_worker(rank, world_size, contenders, model, batch, iterations, lo
     and its optimizer's step (held_bytes)}."""
     built, local = {}, {}
     for label, (name, options) in contenders.items():
-        mesh = mesh_for(name, options.get("mesh"))
+        mesh = mesh_for(name, options.get("mesh"), options.get("plan"))
         built[label] = build(name, copy.deepcopy(model), **{**options, "mesh": mesh})
         local[label] = batch.shard(*batch_shard(mesh)).to(get_device())
     steps = {label: functools.partial(training_step, module, optimizer, LOSSES[loss],
@@ -309,7 +335,7 @@ def accumulation_worker(rank, world_size, strategy, model, batches, micro_batche
     ("gradient bytes", held_bytes)."""
     if sync not in SYNC:
         raise ValueError(f"unknown sync {sync!r}; choose one of {list(SYNC)}")
-    mesh = mesh_for(strategy, options.pop("mesh", None))
+    mesh = mesh_for(strategy, options.pop("mesh", None), options.get("plan"))
     module, optimizer = build(strategy, copy.deepcopy(model), mesh=mesh, **options)
     for batch in batches:
         local = batch.shard(*batch_shard(mesh)).to(get_device())

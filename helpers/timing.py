@@ -60,9 +60,15 @@ def slowest_rank_seconds(step: Callable[[], object], group=None) -> float:
     started = time.perf_counter()
     step()
     synchronize()  # a GPU's kernels and NCCL's collectives run after their calls return
-    elapsed = torch.tensor([time.perf_counter() - started])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed.item()
+    return slowest(time.perf_counter() - started, group)
+
+
+def slowest(seconds: float, group=None) -> float:
+    """The largest of every rank's `seconds` in `group`: a step lasts as long as its slowest
+    rank. Every rank must call it."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value.item()
 
 
 def take_turns(contenders: dict[Hashable, Callable[[], object]], rounds: int, warmup: int = 1,

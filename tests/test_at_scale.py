@@ -9,11 +9,12 @@ import torch
 from checker import expect_rejection
 
 from helpers.at_scale import fits
-from helpers.at_scale.accounting import Plan, account_worker
-from helpers.at_scale.meta_init import init_weights, reset_parameters_worker
+from helpers.at_scale.accounting import account_worker
+from helpers.at_scale.meta_init import reset_parameters_worker
 from helpers.at_scale.solutions import meta_built
 from helpers.launcher import run
-from helpers.llama import Llama, Shape
+from helpers.layouts import Plan
+from helpers.llama import Llama, Shape, init_weights
 
 SHAPE = Shape(layers=2, dim=256, heads=8, kv_heads=2, ffn=768, vocab=1024)
 WORLD = 4
@@ -188,7 +189,8 @@ def llama_loss_worker(rank, world_size, shape, tokens, tp):
     every parameter's gradient, gathered whole."""
     from torch.distributed.tensor import DTensor
 
-    from helpers.at_scale.accounting import lay_out, make_mesh, train_step
+    from helpers.at_scale.accounting import train_step
+    from helpers.layouts import lay_out, make_mesh
 
     plan = Plan(dp=world_size // tp, tp=tp, seq_len=tokens.shape[1] - 1, micro_batch=1)
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import layouts
 from helpers.at_scale import fits, step_time
-from helpers.at_scale.accounting import Plan
 from helpers.composing.strategy import MODELS
+from helpers.layouts import Plan
 from helpers.llama import Llama, Shape, flops_per_token
 from helpers.published import TORCHTITAN_MFU, TORCHTITAN_RUNS
 

@@ -637,8 +637,8 @@ def _recipe_step(model, optimizer, scheduler, parts, config, *, weighting, sync,
                  clipped_norm):
     import torch.nn.functional as F
 
-    from helpers.at_scale.accounting import clip_to_norm
     from helpers.capstone import train
+    from helpers.layouts import clip_to_norm
 
     sequences = sum(len(part) for part in parts)
     loss_sum = 0.0

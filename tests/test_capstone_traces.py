@@ -150,7 +150,8 @@ def profiled_step_worker(rank, world_size, layers):
     from torch.profiler import ProfilerActivity, profile
 
     from helpers import instrument
-    from helpers.at_scale.accounting import Plan, lay_out, make_mesh, train_step
+    from helpers.at_scale.accounting import train_step
+    from helpers.layouts import Plan, lay_out, make_mesh
     from helpers.llama import Llama, Shape
 
     shape = Shape(layers=layers, dim=128, heads=4, kv_heads=2, ffn=384, vocab=256)

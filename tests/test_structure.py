@@ -106,6 +106,84 @@ def test_a_lesson_takes_from_another_only_the_names_it_builds_on():
     assert BUILDS_ON - crossings == set(), "a declared name that is no longer taken"
 
 
+def shared_crossings(path: pathlib.Path) -> set:
+    """The lesson names a module outside every lesson (helpers/ itself) takes."""
+    return {name for name in names_taken(path) if name.split(".")[0].split(":")[0] in LESSONS}
+
+
+SHARED = [path for path in sorted(HELPERS.rglob("*.py"))  # helpers.x, but no lesson's package
+          if module_name(path).count(".") and module_name(path).split(".")[1] not in LESSONS]
+
+
+@pytest.mark.parametrize("path", SHARED, ids=lambda path: module_name(path))
+def test_a_shared_module_declares_each_lesson_name_it_takes(path):
+    """The shared layer sits below the lessons; where it builds a lesson's strategy by name (the
+    registry of strategies, the TinyLM's layout), the module declares the names as a lesson
+    does, in its own BUILDS_ON (CONTRIBUTING.md says why they stay in their lessons)."""
+    declared = set(getattr(importlib.import_module(module_name(path)), "BUILDS_ON", {}))
+    taken = shared_crossings(path)
+    assert taken - declared == set(), "declare the name in the module's BUILDS_ON"
+    assert declared - taken == set(), "a declared name that is no longer taken"
+
+
+def test_a_planted_crossing_of_the_shared_layer_is_seen(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from helpers.zero_and_fsdp.fsdp import FSDP\n")
+    assert shared_crossings(planted) == {"zero_and_fsdp.fsdp:FSDP"}
+
+
+# The course's layout, torchtitan's ParallelDims and parallelize_llama, has one home.
+LAYOUT = HELPERS / "layouts.py"
+
+
+def defined_at_top(path: pathlib.Path) -> set:
+    return {node.name for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+
+
+def test_the_layout_is_defined_only_in_layouts():
+    homes = {name: [module_name(path) for path in HELPERS.rglob("*.py")
+                    if name in defined_at_top(path)]
+             for name in ("Plan", "make_mesh", "lay_out", "clip_to_norm", "quiet_redistribute",
+                          "init_weights")}
+    assert homes == {**{name: ["helpers.layouts"] for name in homes},
+                     "init_weights": ["helpers.llama"]}
+
+
+def meshes_made(path: pathlib.Path) -> list:
+    """(function, its docstring) for each call of init_device_mesh in `path`; a call outside any
+    function has the module's name and docstring."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, scope):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            scope = (node.name, ast.get_docstring(node) or "")
+        if isinstance(node, ast.Call) and getattr(
+                node.func, "id", getattr(node.func, "attr", None)) == "init_device_mesh":
+            found.append(scope)
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope)
+
+    visit(tree, (path.stem, ast.get_docstring(tree) or ""))
+    return found
+
+
+def test_a_mesh_is_made_by_make_mesh_except_where_a_lesson_teaches_init_device_mesh():
+    """Everywhere else a mesh comes from layouts.make_mesh; a function that calls
+    init_device_mesh itself shows it on purpose, and its docstring says so by naming it."""
+    unsaid = [f"{module_name(path)}.{name}" for path in HELPERS.rglob("*.py") if path != LAYOUT
+              for name, docstring in meshes_made(path) if "init_device_mesh" not in docstring]
+    assert unsaid == []
+
+
+def test_a_planted_init_device_mesh_is_seen(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""A module."""\n\ndef f():\n    """Lays out."""\n'
+                       "    return init_device_mesh('cpu', (2,))\n")
+    assert meshes_made(planted) == [("f", "Lays out.")]
+
+
 # Kernel-side modules, by role: what draws, what a notebook calls to start ranks (experiments,
 # the launcher's launch), the exercises and the lesson registry.
 KERNEL_SIDE = re.compile(r"(plots|widgets|drawing|notebook|experiments|launch|exercises|"

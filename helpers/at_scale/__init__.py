@@ -3,7 +3,8 @@
 Real model sizes on fake ranks, and PyTorch's own accounting of their memory and communication,
 trusted only where it agrees with real ranks, then the time a step takes. meta_init: a model
 built on the meta device, laid out, moved with `to_empty` and initialised the same under every
-layout. accounting: one training step of a layout (`Plan`) on real or fake ranks, under
+layout (by helpers.llama.init_weights). accounting: one training step of a layout (the course's
+`layouts.Plan`) on real or fake ranks, under
 FSDPMemTracker, CommDebugMode and the course's Observer. timeline: the same step's memory after
 every operation. step_time: a step's time from its FLOPs and bytes, calibrated on a published
 run. fits: whether a GPU holds a layout, decided by a fake run, and how fast it runs; the sweep
@@ -13,6 +14,10 @@ solutions.
 """
 
 NOTEBOOK = "13_at_scale.ipynb"
+# Its notebook is one of a tier's longest files, and no rounding can change its outputs: a
+# tier starts it first, and the other-CPU tier leaves it out (helpers/lessons.py).
+SLOW = True
+ROUNDING_FREE = True
 
 # The names this lesson takes from earlier lessons (tests/test_structure.py checks the imports):
 BUILDS_ON = {

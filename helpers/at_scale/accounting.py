@@ -5,13 +5,9 @@ A fake rank is one process that plays rank 0 of N: `init_process_group("fake")` 
 `FakeTensorMode` (tensors with shapes and no storage). The same worker runs on real gloo ranks
 at a small size, where the accounting can be checked against reality.
 
-- `Plan(dp, tp=1, replicate=1, recompute="none", micro_batch=1, seq_len=2048, bf16=False)`: a
-  layout and what one rank computes per step: FSDP2 over `dp` ranks (HSDP with `replicate` > 1),
-  tensor and sequence parallelism over `tp` (`layouts.apply_llama_tp`), blocks checkpointed as
-  `layouts.apply_ac` does (`recompute`), `micro_batch` sequences of `seq_len` tokens per rank,
-  and bfloat16 compute with float32 gradient reduction (torchtitan's default mixed precision).
-- `lay_out(model, mesh, plan)`: the model laid out on the mesh of `make_mesh(plan)`, by the
-  layouts module's functions.
+The layout is the course's (helpers.layouts: `Plan`, `make_mesh`, `lay_out`); this module
+accounts for a step of it.
+
 - `account_worker(rank, world_size, shape, plan, *, fake=False, measure=MEASURES, fast=True)`:
   a Llama (helpers.llama) laid out by `plan`, AdamW's state created by a step on zero gradients,
   then one step under PyTorch's `FSDPMemTracker` (`MemTracker` with tensor parallelism) with the
@@ -29,83 +25,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers.layouts import AC_MODES
+from helpers.layouts import Plan, clip_to_norm, lay_out, make_mesh
 
 MEASURES = ("memory", "collectives")
-RECOMPUTE = ("none", "op", "full")  # layouts.apply_ac's modes that take a Llama block whole
-
-
-@dataclass(frozen=True)
-class Plan:
-    dp: int
-    tp: int = 1
-    replicate: int = 1
-    recompute: str = "none"
-    micro_batch: int = 1
-    seq_len: int = 2048
-    bf16: bool = False
-
-    @property
-    def gpus(self) -> int:
-        return self.replicate * self.dp * self.tp
-
-    def __str__(self):
-        parts = [f"dp {self.dp}"] + ([f"tp {self.tp}"] if self.tp > 1 else []) + (
-            [f"replicas {self.replicate}"] if self.replicate > 1 else [])
-        return (f"{' x '.join(parts)}, recompute {self.recompute}, {self.micro_batch} x "
-                f"{self.seq_len} tokens{', bf16' if self.bf16 else ''}")
-
-    def check(self, shape) -> None:
-        """Raises ValueError, before anything runs, where the layout's degrees do not divide
-        `shape` (its heads, its vocabulary, its sequence)."""
-        if min(self.dp, self.tp, self.replicate, self.micro_batch, self.seq_len) < 1:
-            raise ValueError(f"{self}: every degree and size is at least 1")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute is one of {RECOMPUTE}, not {self.recompute!r} "
-                             f"({set(AC_MODES) - set(RECOMPUTE)} needs a block with a `core`)")
-        for what, count in (("heads", shape.heads), ("key-value heads", shape.kv_heads),
-                            ("hidden units of the MLP", shape.ffn), ("vocabulary", shape.vocab)):
-            if count % self.tp:
-                raise ValueError(f"tp {self.tp} does not divide the {count} {what}")
-        if self.seq_len % self.tp:
-            raise ValueError(f"tp {self.tp} does not divide the sequence of {self.seq_len} "
-                             "tokens (sequence parallelism cuts it)")
-
-
-def make_mesh(plan: Plan):
-    """The mesh of `plan`: ("replicate", "dp", "tp"), or ("dp",) for FSDP alone."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from helpers.launcher.result import get_device
-
-    if plan.tp == 1 and plan.replicate == 1:
-        return init_device_mesh(get_device().type, (plan.dp,), mesh_dim_names=("dp",))
-    return init_device_mesh(get_device().type, (plan.replicate, plan.dp, plan.tp),
-                            mesh_dim_names=("replicate", "dp", "tp"))
-
-
-def lay_out(model, mesh, plan: Plan):
-    """torchtitan's order: tensor parallelism over "tp", recomputation, then FSDP2 over "dp"
-    (HSDP over ("replicate", "dp")); in bfloat16 with gradients reduced in float32 if plan.bf16.
-    Returns the model."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from helpers import layouts
-
-    if plan.tp > 1:
-        layouts.apply_llama_tp(model, mesh["tp"])
-    layouts.apply_ac(model, plan.recompute)
-    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                 reduce_dtype=torch.float32)} if plan.bf16 else {}
-    shard_over = mesh["replicate", "dp"] if plan.replicate > 1 else mesh["dp"]
-    return layouts.apply_fsdp(model, shard_over, **options)
 
 
 class TensorParallelBytes(TorchDispatchMode):
@@ -163,47 +91,6 @@ def join_fake_group(world_size: int, rank: int = 0) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-
-def clip_to_norm(model, max_norm: float, foreach: bool = False) -> torch.Tensor:
-    """torchtitan's clip_grad_norm_ (torchtitan/utils.py at 9dec370): the gradients' global norm
-    from each rank's pieces, a DTensor made whole (an all-reduce of a few numbers per mesh
-    dimension), then every gradient scaled by max_norm / norm where that is below 1. torchtitan's
-    train.py passes foreach=True, as this lesson's step does; the capstone (lesson 14) keeps
-    PyTorch's one-tensor-at-a-time default, with which its committed runs were made (the same
-    norm, summed in another order). Gradients on different meshes (a model laid out in part) are
-    normed mesh by mesh, then together. Returns the norm before clipping."""
-    from torch.distributed.tensor import DTensor
-
-    by_mesh = {}  # a DTensor's norm needs its mesh: a model laid out in part (lesson 08's plan
-    for parameter in model.parameters():  # cuts only the blocks) has gradients on two meshes
-        if parameter.grad is not None:
-            by_mesh.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(
-                parameter.grad)
-    norms = []
-    for gradients in by_mesh.values():
-        with quiet_redistribute():  # (its docstring says why)
-            norm = torch.nn.utils.get_total_norm(gradients, foreach=foreach)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=foreach)
-    return norm
-
-
-@contextlib.contextmanager
-def quiet_redistribute():
-    """Without DTensor's warning that a norm's partial sums over a 2-D mesh take "2 sequential
-    all_reduce operations" to add up (one over each dimension, each of a few numbers: the
-    gradients' norm, whose cost is nothing to warn about). Lesson 14 quotes the warning."""
-    import logging
-
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 @contextlib.contextmanager

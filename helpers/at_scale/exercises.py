@@ -7,10 +7,10 @@ import reprlib
 import torch
 
 from helpers.at_scale import fits as fits_module
-from helpers.at_scale.accounting import Plan
 from helpers.exercises import Exercise
 from helpers.launcher import run
 from helpers.launcher.report import WorkerError
+from helpers.layouts import Plan
 from helpers.llama import Llama, Shape
 
 EXERCISES = {}
@@ -108,8 +108,8 @@ def _plan_hint(got, expected, question, memory_gib):
 
 
 EXERCISES["choose_plan"] = Exercise(
-    "choose_plan(shape, gpus, memory, sequences, seq_len) returns the Plan (helpers.at_scale."
-    "accounting.Plan) that trains a Llama of `shape` fastest on `gpus` GPUs of `memory` bytes "
+    "choose_plan(shape, gpus, memory, sequences, seq_len) returns the Plan (helpers."
+    "layouts.Plan) that trains a Llama of `shape` fastest on `gpus` GPUs of `memory` bytes "
     "each, `sequences` sequences of `seq_len` tokens a step in bfloat16, among the layouts "
     "fits.candidates(gpus, sequences, seq_len) lists that a GPU can hold. Held: what a GPU "
     "would reserve for its peak on fake ranks, by the published runs (fits.reserved(peak)), is "
@@ -142,10 +142,10 @@ def _rank_view(rank, world_size, function, shape):
     """In each rank: the learner's model, and how it was built and laid out."""
     from torch.distributed.tensor import DTensor
 
-    from helpers.at_scale import meta_init
+    from helpers import llama
 
     built_on, allocated = [], []
-    original, to_empty, init = Llama.__init__, torch.nn.Module.to_empty, meta_init.init_weights
+    original, to_empty, init = Llama.__init__, torch.nn.Module.to_empty, llama.init_weights
 
     def recording(self, *args, **kwargs):
         built_on.append(torch.empty(0).device.type)  # the default device where it is made
@@ -168,13 +168,13 @@ def _rank_view(rank, world_size, function, shape):
     scope = getattr(function, "__globals__", {})
     names = [name for name, value in scope.items() if value is init]
     Llama.__init__, torch.nn.Module.to_empty = recording, allocating
-    meta_init.init_weights = initialising
+    llama.init_weights = initialising
     scope.update(dict.fromkeys(names, initialising))
     try:
         model = function(rank, world_size, shape)
     finally:
         Llama.__init__, torch.nn.Module.to_empty = original, to_empty
-        meta_init.init_weights = init
+        llama.init_weights = init
         scope.update(dict.fromkeys(names, init))
     parameters = dict(model.named_parameters())
     sharded = all(isinstance(p, DTensor) and p.device_mesh.size() == world_size
@@ -202,7 +202,7 @@ def _meta_built(function, case):
 
 
 def _one_process(case):
-    from helpers.at_scale.meta_init import init_weights
+    from helpers.llama import init_weights
 
     model = init_weights(Llama(SHAPES[case]))
     return ("the meta device", "this rank's pieces", True,
@@ -245,8 +245,8 @@ EXERCISES["meta_built"] = Exercise(
     "meta_built(rank, world_size, shape) returns a Llama of `shape` (helpers.llama.Llama) laid out "
     "by FSDP2 over all the ranks (each parameter a DTensor on a mesh of world_size), which no rank "
     "ever held whole: made on the meta device, its memory allocated only for this rank's pieces. "
-    "Its weights, gathered, must equal those of init_weights(Llama(shape)) (helpers.at_scale."
-    "meta_init) made in one process, exactly",
+    "Its weights, gathered, must equal those of init_weights(Llama(shape)) (helpers."
+    "llama) made in one process, exactly",
     [(case,) for case in SHAPES],
     _one_process,
     distributed=False,

@@ -31,7 +31,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 from helpers.at_scale import step_time
-from helpers.at_scale.accounting import RECOMPUTE, Plan, account_worker
+from helpers.at_scale.accounting import account_worker
+from helpers.layouts import RECOMPUTE, Plan
 from helpers.published import TORCHTITAN_RUNS
 
 SWEEP = os.path.join(os.path.dirname(__file__), "sweep_8b.json")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from helpers.at_scale.accounting import RECOMPUTE
 from helpers.drawing import GREY
+from helpers.layouts import RECOMPUTE
 
 GiB = 2**30
 # One colour per kind, the same in every figure of the lesson.

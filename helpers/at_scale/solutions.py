@@ -55,15 +55,12 @@ def choose_plan(shape, gpus, memory, sequences, seq_len):
 
 
 def meta_built(rank, world_size, shape):
-    from torch.distributed.device_mesh import init_device_mesh
-
     from helpers import layouts
-    from helpers.at_scale.meta_init import init_weights
     from helpers.launcher.result import get_device
-    from helpers.llama import Llama
+    from helpers.llama import Llama, init_weights
 
     with torch.device("meta"):
         model = Llama(shape)  # shapes only
-    layouts.apply_fsdp(model, init_device_mesh(get_device().type, (world_size,)))
+    layouts.apply_fsdp(model, layouts.make_mesh(layouts.Plan(dp=world_size)))
     model.to_empty(device=get_device())  # memory for this rank's pieces only
     return init_weights(model)  # each piece cut from its parameter's one-process value

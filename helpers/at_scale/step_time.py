@@ -1,6 +1,6 @@
 """How long a step takes: the other half of sizing a run, estimated from FLOPs and bytes.
 
-A model, not a measurement. Per GPU and step, for a layout (accounting.Plan) and the bytes a fake
+A model, not a measurement. Per GPU and step, for a layout (layouts.Plan) and the bytes a fake
 run says rank 0 sends (accounting.account_worker's "sent", by collective):
 
     compute    the FLOPs this GPU computes: torchtitan's count per token (helpers.llama.

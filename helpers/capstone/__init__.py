@@ -14,15 +14,16 @@ reference solutions.
 """
 
 NOTEBOOK = "14_capstone.ipynb"
+# Its notebook, a minute of training (two under make test's load), runs in a tier of its own
+# (make long), so that make test keeps its 8 minutes. It is left out of the other-CPU tier too:
+# its rounding-dependent outputs are verdicts with wide margins (half a bit per byte below the
+# baseline; 0.1 between the 4 ranks' and one process's validation losses); its float64
+# equalities run there as tests (tests/test_capstone.py, marked numerical). Checked once by
+# hand under that tier's setting.
+TIER = "long"
 
 # The names this lesson takes from earlier lessons (tests/test_structure.py checks the imports):
 BUILDS_ON = {
-    "at_scale.accounting:Plan": "lesson 13's layout of a Llama: TP + SP, recomputation, FSDP2",
-    "at_scale.accounting:lay_out": "lesson 13's layout of a Llama: TP + SP, recomputation, FSDP2",
-    "at_scale.accounting:make_mesh": "lesson 13's mesh for a layout",
-    "at_scale.accounting:clip_to_norm": "torchtitan's clipping by the global norm (lesson 13)",
-    "at_scale.meta_init:init_weights": "lesson 13's initialisation: the same weights under any "
-                                       "layout",
     "checkpoints_and_failures.resume:checkpoint_path": "lesson 12's checkpoint folders",
     "checkpoints_and_failures.resume:keep_last": "lesson 12's checkpoint folders",
     "checkpoints_and_failures.resume:latest_checkpoint": "lesson 12's checkpoint folders",

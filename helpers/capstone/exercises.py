@@ -21,7 +21,6 @@ from torch.distributed.tensor import Replicate, Shard
 
 from helpers import reference
 from helpers import rules as rules_module
-from helpers.at_scale.accounting import make_mesh
 from helpers.capstone import train
 from helpers.capstone.corpus import python_source
 from helpers.capstone.train import Config
@@ -30,6 +29,7 @@ from helpers.instrument import Observer, saved_activations
 from helpers.launcher import run
 from helpers.launcher.report import WorkerError
 from helpers.launcher.result import get_device
+from helpers.layouts import make_mesh
 from helpers.rules import CallRecorder, CallSizes, Only
 from helpers.tensor_parallelism.megatron import plan_style
 from helpers.training import mean_over
@@ -908,20 +908,18 @@ def _norm_expected(rank, world_size, seed):
 @dataclass
 class MeshExercise(Exercise):
     """The ranks' inputs are DTensors on a ("dp", "tp") mesh of world_size // 2 x 2, which each
-    rank builds (init_device_mesh, on the launcher's device) before the learner's function is
+    rank builds (layouts.make_mesh, on the launcher's device) before the learner's function is
     watched: the mesh's groups are the checker's, not the learner's communication."""
 
     def worker(self, function, log_dir: str):
         task_rules = self.rules
 
         def build_then_call(rank, world_size, seed):
-            from torch.distributed.device_mesh import init_device_mesh
-
             from helpers.launcher.result import get_device
+            from helpers.layouts import Plan
 
             device = get_device()
-            mesh = init_device_mesh(device.type, (world_size // TP, TP),
-                                    mesh_dim_names=("dp", "tp"))
+            mesh = make_mesh(Plan(dp=world_size // TP, tp=TP))  # ("dp", "tp")
             pieces = _norm_inputs(seed, mesh, device)
             with CallRecorder(task_rules, rules_module.log_path(log_dir, rank), function):
                 return function(rank, world_size, pieces)

@@ -46,8 +46,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from helpers import instrument, layouts
-from helpers.at_scale.accounting import make_mesh
-from helpers.at_scale.meta_init import init_weights
 from helpers.capstone import traces
 from helpers.capstone.corpus import python_source
 from helpers.capstone.train import (
@@ -59,9 +57,11 @@ from helpers.capstone.train import (
     train_step,
 )
 from helpers.launcher.result import get_device
+from helpers.layouts import make_mesh
 from helpers.llama import (
     Llama,
     flops_per_token,  # noqa: F401 - the notebook calls profiled.flops_per_token
+    init_weights,
 )
 from helpers.timing import Clock, synchronize
 

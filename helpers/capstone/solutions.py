@@ -9,10 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import layouts, reference, strategies
-from helpers.at_scale.accounting import clip_to_norm
 from helpers.capstone import train
 from helpers.checkpoints_and_failures.resume import (
     checkpoint_path,
@@ -21,13 +19,14 @@ from helpers.checkpoints_and_failures.resume import (
     training_state,
 )
 from helpers.launcher.result import get_device
+from helpers.layouts import clip_to_norm
 from helpers.training import mean_over
 
 NOT_NEEDED = ("sampler", "rng")
 
 
 def capstone(rank, world_size, job, directory, recompute):
-    mesh = init_device_mesh(get_device().type, (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = layouts.make_mesh(layouts.Plan(dp=2, tp=2))  # ("dp", "tp")
     model = job.model()
     layouts.apply_tp(model, mesh["tp"])  # lesson 08's plan, PyTorch's pieces
     layouts.apply_ac(model, "full" if recompute else "none")

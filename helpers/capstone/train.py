@@ -5,9 +5,9 @@ library's source (helpers.capstone.corpus), with everything the course taught at
   bfloat16, gradient accumulation (`micro_batches`), warmup then cosine learning rate, clipping
   by the global gradient norm, a DCP checkpoint every `save_every` steps. `Config.check()` says
   what is wrong before anything runs.
-- `build(config, mesh)`: the model made on the meta device, laid out by lesson 13's `lay_out`
-  (tensor and sequence parallelism over "tp", recomputation, FSDP2 over "dp"), then given memory
-  and torchtitan's initialisation: the same weights under every layout.
+- `build(config, mesh)`: the model made on the meta device, laid out by the course's `lay_out`
+  (helpers.layouts: tensor and sequence parallelism over "tp", recomputation, FSDP2 over "dp"),
+  then given memory and torchtitan's initialisation: the same weights under every layout.
 - `train_step(model, optimizer, scheduler, tokens, config)`: one step over this rank's share of
   the batch, in `config.micro_batches` parts; returns the loss and the gradients' norm.
 - `train_worker(rank, world_size, config, directory=None, *, stop_after=None, on_event=None,
@@ -19,6 +19,8 @@ library's source (helpers.capstone.corpus), with everything the course taught at
   alike). Returns the run's `History`.
 - `one_process(config, steps)`: the same recipe without any of the distribution, written again
   from PyTorch's own pieces (clip_grad_norm_, LambdaLR, AdamW): the reference a float64 run equals.
+  The capstone's own, not helpers.reference.train: its point is the whole recipe (validation
+  losses, micro-batches, the schedule, autocast's bfloat16) checked against one process.
 """
 
 from __future__ import annotations
@@ -41,13 +43,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from helpers.at_scale.accounting import Plan, clip_to_norm, lay_out, make_mesh
-from helpers.at_scale.meta_init import init_weights
 from helpers.capstone.corpus import VOCAB, bits_per_byte, python_source
 from helpers.checkpoints_and_failures.resume import checkpoint_path, keep_last, latest_checkpoint
 from helpers.launcher.result import get_device
-from helpers.llama import Llama, Shape, swiglu_hidden
-from helpers.timing import Clock, synchronize
+from helpers.layouts import Plan, clip_to_norm, lay_out, make_mesh
+from helpers.llama import Llama, Shape, init_weights, swiglu_hidden
+from helpers.timing import Clock, slowest, synchronize
 from helpers.training import mean_over
 
 
@@ -87,7 +88,7 @@ class Config:
 
     @property
     def plan(self) -> Plan:
-        """The layout and one micro-batch as lesson 13's `lay_out` takes them."""
+        """The layout and one micro-batch as the course's `lay_out` takes them (helpers.layouts)."""
         return Plan(dp=self.dp, tp=self.tp, recompute=self.recompute, seq_len=self.seq_len,
                     micro_batch=max(1, self.batch // (self.dp * self.micro_batches)),
                     bf16=self.bf16)
@@ -291,7 +292,7 @@ def train_worker(rank, world_size, config: Config, directory=None, *, stop_after
                  on_event=None, stop=None, weights=False) -> History:
     config.check(world_size)
     corpus = python_source()
-    mesh = make_mesh(config.plan)  # ("dp",), or ("replicate", "dp", "tp")
+    mesh = make_mesh(config.plan)  # ("dp", "tp"), or ("dp",) without tensor parallelism
     model = build(config, mesh)
     optimizer, scheduler = make_optimizer(model, config)
     step = resume(directory, model, optimizer, scheduler) if directory else 0
@@ -326,13 +327,6 @@ def train_worker(rank, world_size, config: Config, directory=None, *, stop_after
     if weights:
         history.weights = whole_weights(model)
     return history
-
-
-def slowest(seconds: float) -> float:
-    """The largest of every rank's `seconds`: a step lasts as long as its slowest rank."""
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value.item()
 
 
 def whole_weights(model) -> dict:

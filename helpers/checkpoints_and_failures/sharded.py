@@ -19,7 +19,7 @@ Two ways to save a sharded model and its optimizer:
 get_state_dict / set_state_dict give the model's and the optimizer's state in one form for every
 layout: keys are the model's parameter names (the optimizer's state too, not parameter numbers)
 and values are DTensors, so a checkpoint saved by FSDP on 4 ranks loads into FSDP on 2, into DP x
-TP on a 2 x 2 mesh (helpers.layouts.apply_dp_tp), or into one process.
+TP on a 2 x 2 mesh (helpers.layouts.lay_out), or into one process.
 
     LAYOUTS                          "fully_shard", "dp_tp", "one_process" (helpers.strategies)
     train(model, optimizer, batches, mesh)
@@ -203,12 +203,10 @@ def tensor_parallel_state(block, mesh) -> dict:
 def tensor_parallel_save_worker(rank, world_size, block, directory, tp):
     """A copy of `block` cut by lesson 08's parallelize_block over the "tp" dimension of a
     ("dp", "tp") mesh, its parameters saved with DCP (tensor_parallel_state) to `directory`."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    from helpers.layouts import Plan, make_mesh
     from helpers.tensor_parallelism.megatron import parallelize_block
 
-    mesh = init_device_mesh(get_device().type, (world_size // tp, tp),
-                            mesh_dim_names=("dp", "tp"))
+    mesh = make_mesh(Plan(dp=world_size // tp, tp=tp))  # ("dp", "tp")
     cut = parallelize_block(block, mesh.get_group("tp"))
     dcp.save(tensor_parallel_state(cut, mesh), checkpoint_id=directory)
 
@@ -267,11 +265,7 @@ def pieces(directory) -> list:
 
 
 def one_process_state(model, batches) -> dict:
-    """The reference: `model` trained in this process, a step per whole batch, with the same
-    AdamW; its state in full_state's form. No process group."""
-    model, optimizer = strategies.build("one_process", copy.deepcopy(model))
-    train(model, optimizer, batches)
-    return {"model": {name: value.detach().clone() for name, value in model.state_dict().items()},
-            "optimizer": {name: {key: value.clone() for key, value in
-                                 optimizer.state[parameter].items()}
-                          for name, parameter in model.named_parameters()}}
+    """The reference (reference.train: `model` trained in this process, a step per whole batch,
+    with the same AdamW); its state in full_state's form."""
+    alone = reference.train(model, batches, reference.lm_loss)
+    return {"model": alone.parameters, "optimizer": alone.optimizer}

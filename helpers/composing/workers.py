@@ -13,15 +13,16 @@ from helpers.composing.hybrid import LMStage
 from helpers.composing.mesh import Grid, new_groups
 from helpers.data_parallelism.ddp import DDP, average_gradients
 from helpers.launcher.result import get_device
-from helpers.layouts import apply_dp_tp
+from helpers.layouts import Plan, lay_out, make_mesh
 from helpers.pipeline_parallelism.schedule import pipeline_step
 from helpers.training import mean_over
 
 # --- mesh ---------------------------------------------------------------------------------------
 
 def grid_worker(rank, world_size, dims, sizes):
-    """The hand-built grid's groups against init_device_mesh's, for the same shape and names.
-    Returns {dimension: (this rank's group members by hand, by init_device_mesh)}."""
+    """The hand-built grid's groups against init_device_mesh's, for the same shape and names
+    (the lesson teaches init_device_mesh here; elsewhere the course's layouts.make_mesh calls
+    it). Returns {dimension: (this rank's group members by hand, by init_device_mesh)}."""
     from torch.distributed.device_mesh import init_device_mesh
 
     grid = Grid(tuple(dims), tuple(sizes))
@@ -83,18 +84,16 @@ def dp_tp_pp_worker(rank, world_size, model, batches, sizes, micro_batches=2, lr
 
 def torch_dp_tp_worker(rank, world_size, model, batches, tp_size, lr=1e-2):
     """The same training with PyTorch's pieces on one DeviceMesh ("dp", "tp"), laid out by
-    layouts.apply_dp_tp. Returns the losses, every parameter gathered whole
-    (full_tensor), each parameter's DTensor layout: its mesh dimensions, placements and the
-    shape of this rank's piece, and the piece itself ("pieces")."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(get_device().type, (world_size // tp_size, tp_size),
-                            mesh_dim_names=("dp", "tp"))
-    model = apply_dp_tp(copy.deepcopy(model).to(get_device()), mesh)
+    layouts.lay_out (the course's parallelize_llama). Returns the losses, every parameter
+    gathered whole (full_tensor), each parameter's DTensor layout: its mesh dimensions,
+    placements and the shape of this rank's piece, and the piece itself ("pieces")."""
+    plan = Plan(dp=world_size // tp_size, tp=tp_size)
+    mesh = make_mesh(plan)  # ("dp", "tp")
+    model = lay_out(copy.deepcopy(model).to(get_device()), mesh, plan)  # TP, then FSDP2
     optimizer = reference.make_optimizer("adamw", model.parameters(), lr)
     dp_rank, losses = mesh.get_local_rank("dp"), []
     for batch in batches:
-        local = batch.shard(dp_rank, mesh.size(0)).to(get_device())
+        local = batch.shard(dp_rank, plan.dp).to(get_device())
         optimizer.zero_grad()
         loss = reference.lm_loss(model(local.inputs), local.targets)
         loss.backward()

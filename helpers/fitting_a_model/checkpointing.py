@@ -195,7 +195,7 @@ def composed_worker(rank, world_size, model, batches, settings=tuple(COMPOSED)):
 
 
 def composed_setting(rank, world_size, model, batches, setting):
-    """dp x tp = world_size/2 x 2 (strategies.build "dp_tp": layouts.apply_dp_tp, tensor
+    """dp x tp = world_size/2 x 2 (strategies.build "dp_tp": layouts.lay_out, tensor
     parallelism, then activation checkpointing as COMPOSED[setting] says, then FSDP2) trains on
     `batches` with SGD. Returns the whole parameters; the collectives of the last step, counted
     by CommDebugMode, {(kind, "forward" or "step")}: FSDP2's all-gathers and reduce-scatters,

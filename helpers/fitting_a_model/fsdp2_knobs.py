@@ -157,7 +157,8 @@ def hsdp_worker(rank, world_size, model, batches, shape=(2, 2)):
     """Train a copy of `model` with HSDP on a (replicate, shard) = `shape` mesh: fully_shard
     over the 2-D mesh, each rank on its slice of every batch. Returns the full parameters after
     the last step, and the bytes and calls of the last step by (collective, "shard" or
-    "replicate": the mesh dimension of its group)."""
+    "replicate": the mesh dimension of its group). The lesson shows init_device_mesh's 2-D mesh
+    here itself (elsewhere the course's layouts.make_mesh makes meshes)."""
     mesh = init_device_mesh(get_device().type, shape, mesh_dim_names=("replicate", "shard"))
     model = apply_fsdp(copy.deepcopy(model).to(get_device()), mesh)
     optimizer = reference.make_optimizer("adamw", model.parameters())

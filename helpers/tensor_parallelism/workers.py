@@ -69,7 +69,8 @@ def block_worker(rank, world_size, block, inputs, targets, sequence_parallel=Fal
 
 
 def torch_block_worker(rank, world_size, block, inputs, targets, sequence_parallel=False):
-    """The same block through PyTorch's parallelize_module on a 1-D DeviceMesh. Returns what
+    """The same block through PyTorch's parallelize_module on a 1-D DeviceMesh, which the lesson
+    builds with init_device_mesh itself (from lesson 10 on, layouts.make_mesh does). Returns what
     block_worker does (no counts), each gradient as this rank's piece, and each gradient's
     DTensor placements. A gradient left as Partial (a sum not yet taken: the LayerNorms' with
     sequence parallelism) is summed first."""
