@@ -238,25 +238,63 @@ def make_optimizer(name: str, params, lr: float = LR) -> torch.optim.Optimizer:
 class TrainingRun:
     losses: list  # one float per step
     parameters: dict  # name -> tensor after the last step (a copy)
+    optimizer: dict  # name -> the optimizer's state of that parameter after the last step (copies)
+
+    def losses_by_step(self) -> dict:
+        """{step: loss}, the steps counted from 1, as a training loop that resumes counts them."""
+        return dict(enumerate(self.losses, start=1))
 
 
 def train(model: nn.Module, batches: list, loss_fn, optimizer: str = "adamw",
-          lr: float = LR, max_grad_norm: float | None = None) -> TrainingRun:
-    """The single-process reference: one step per batch (forward, loss, backward, optimizer step)
-    on a copy of `model`, which is left as it was. `max_grad_norm`: clip the gradient to this
-    global norm before each step (torch.nn.utils.clip_grad_norm_)."""
+          lr: float = LR, *, max_grad_norm: float | None = None, scheduler=None,
+          slices: int = 1) -> TrainingRun:
+    """The single-process reference, every lesson's: one step per batch (forward, loss,
+    backward, optimizer step) on a copy of `model`, which is left as it was. (The capstone's
+    reference, with validation, micro-batches and autocast, is its own:
+    helpers.capstone.train.one_process.)
+
+    - `max_grad_norm`: clip the gradient to this global norm before each step
+      (torch.nn.utils.clip_grad_norm_).
+    - `scheduler(optimizer)`: a learning-rate scheduler, stepped after each step.
+    - `slices` = n: data parallelism computed in one process: each step, every rank's slice of
+      the batch goes through the model, the slices' gradients are summed (in the parameters'
+      dtype) and divided by n; the loss is the slices' mean. With float32 compute this is the
+      whole batch's step; with a low-precision model (with_compute_dtype) each slice's gradient
+      is rounded as a rank's would be, which a step on the whole batch does not reproduce."""
     model = copy.deepcopy(model)
     opt = make_optimizer(optimizer, model.parameters(), lr)
+    schedule = scheduler(opt) if scheduler is not None else None
     losses = []
     for batch in batches:
         opt.zero_grad()
-        loss = loss_fn(model(batch.inputs), batch.targets)
-        loss.backward()
+        losses.append(_backward(model, batch, loss_fn, slices))
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
-        losses.append(loss.item())
-    return TrainingRun(losses, parameters(model))
+        if schedule is not None:
+            schedule.step()
+    names = {param: name for name, param in model.named_parameters()}
+    return TrainingRun(losses, parameters(model),
+                       {names[param]: {key: value.clone() for key, value in state.items()}
+                        for param, state in opt.state.items()})
+
+
+def _backward(model: nn.Module, batch: Batch, loss_fn, slices: int) -> float:
+    """One step's backward, on the whole batch or slice by slice; the loss."""
+    if slices == 1:
+        loss = loss_fn(model(batch.inputs), batch.targets)
+        loss.backward()
+        return loss.item()
+    total = 0.0
+    for rank in range(slices):
+        local = batch.shard(rank, slices)
+        loss = loss_fn(model(local.inputs), local.targets)
+        loss.backward()
+        total += loss.item() / slices
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad /= slices
+    return total
 
 
 def gradients(model: nn.Module, batch: Batch, loss_fn) -> dict:
@@ -298,30 +336,3 @@ def with_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             module.__class__ = _CastLinear if type(module) is nn.Linear else _CastEmbedding
             module.compute_dtype = dtype
     return model
-
-
-def train_slices(model: nn.Module, batches: list, loss_fn, world_size: int,
-                 optimizer: str = "adamw", lr: float = LR) -> TrainingRun:
-    """Data parallelism computed in one process: each step, every rank's slice of the batch goes
-    through one copy of the model, the slices' gradients are summed (in the parameters' float32)
-    and divided by `world_size`, then the optimizer steps. With float32 compute this is
-    train(); with a low-precision `model` (with_compute_dtype) each slice's gradient is rounded
-    as a rank's would be, which train() on the whole batch does not reproduce."""
-    model = copy.deepcopy(model)
-    opt = make_optimizer(optimizer, model.parameters(), lr)
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        total = 0.0
-        for rank in range(world_size):
-            local = batch.shard(rank, world_size)
-            loss = loss_fn(model(local.inputs), local.targets)
-            loss.backward()
-            total += loss.item() / world_size
-        for param in model.parameters():
-            if param.grad is not None:
-                param.grad /= world_size
-        opt.step()
-        losses.append(total)
-    return TrainingRun(losses, parameters(model))
-

@@ -41,9 +41,10 @@ def test_a_resumed_run_equals_an_uninterrupted_one_and_one_process(tmp_path):
     assert sorted(second["losses"]) == [6, 7, 8, 9, 10]
     assert all(second["losses"][step] == whole["losses"][step] for step in second["losses"])
     assert_same_state(second["state"], whole["state"])
-    losses, weights = resume.one_process_losses(experiment, 2)
-    torch.testing.assert_close(whole["losses"], losses)
-    torch.testing.assert_close(whole["state"]["model"], weights)
+    alone = reference.train(experiment.model(), resume.global_batches(experiment, 2),
+                            reference.lm_loss)
+    torch.testing.assert_close(whole["losses"], alone.losses_by_step())
+    torch.testing.assert_close(whole["state"]["model"], alone.parameters)
     # a checkpoint whose .metadata is missing (cut off) is skipped
     os.remove(tmp_path / "step-0010" / ".metadata")
     assert resume.latest_checkpoint(str(tmp_path)) == (str(tmp_path / "step-0005"), 5)

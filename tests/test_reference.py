@@ -133,7 +133,7 @@ def test_unknown_optimizer_names_the_known_ones():
 def test_training_slices_in_float32_is_training_the_whole_batch():
     model, batches = reference.make_lm(seed=0), reference.lm_data(seed=1, batch_size=8, steps=3)
     whole = reference.train(model, batches, reference.lm_loss)
-    slices = reference.train_slices(model, batches, reference.lm_loss, world_size=4)
+    slices = reference.train(model, batches, reference.lm_loss, slices=4)
     torch.testing.assert_close(slices.losses, whole.losses)
     for name, param in whole.parameters.items():
         torch.testing.assert_close(slices.parameters[name], param)

@@ -114,8 +114,8 @@ def test_the_sharded_optimizer_keeps_param_groups_and_leaves_frozen_weights(grad
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fsdp_in_low_precision_equals_one_process_doing_the_same_casts(dtype):
     model, batches = lm_and_batches()
-    same_casts = reference.train_slices(reference.with_compute_dtype(model, dtype), batches,
-                                        reference.lm_loss, 2).parameters
+    same_casts = reference.train(reference.with_compute_dtype(model, dtype), batches,
+                                 reference.lm_loss, slices=2).parameters
     float32 = reference.train(model, batches, reference.lm_loss, optimizer="adamw", lr=1e-2)
     out = run(workers.training_worker, 2, show_output=False, kwargs=dict(
         stage=3, model=model, batches=batches, loss="lm", compute_dtype=dtype))

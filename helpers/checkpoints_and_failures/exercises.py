@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from helpers.checkpoints_and_failures.resume import Experiment, one_process_losses
+from helpers import reference
+from helpers.checkpoints_and_failures.resume import Experiment, global_batches
 from helpers.exercises import Exercise
 from helpers.launcher import run
 from helpers.launcher.report import WorkerError
@@ -84,9 +85,11 @@ def _interrupted(function, kill_after):
 
 
 def _uninterrupted(kill_after):
-    losses, parameters = one_process_losses(JOB, 2)
+    alone = reference.train(JOB.model(), global_batches(JOB, 2), reference.lm_loss,
+                            scheduler=JOB.scheduler)
+    losses = alone.losses_by_step()
     steps = list(range(_resumed_after(kill_after) + 1, JOB.steps + 1))
-    return steps, {step: losses[step] for step in steps}, parameters
+    return steps, {step: losses[step] for step in steps}, alone.parameters
 
 
 EXERCISES["resumable"] = Exercise(

@@ -127,16 +127,7 @@ def resized_worker(rank, world_size, job, directory, stop_after=None):
             "removed": removed, "state": full_state(model, optimizer)}
 
 
-def one_process(job) -> tuple:
-    """The reference: job.steps steps in this process, each on the whole global batch. Returns
-    ({step: loss}, {name: parameter})."""
-    model, optimizer = strategies.build("one_process", job.model())
-    losses = {}
-    for step in range(job.steps):
-        batch = job.batch(step * job.global_batch, 0, 1)
-        optimizer.zero_grad()
-        loss = reference.lm_loss(model(batch.inputs), batch.targets)
-        loss.backward()
-        optimizer.step()
-        losses[step + 1] = loss.item()
-    return losses, {name: value.detach().clone() for name, value in model.named_parameters()}
+def global_batches(job) -> list:
+    """The whole global batch of each of job.steps steps: what one process trains on
+    (reference.train, the reference)."""
+    return [job.batch(step * job.global_batch, 0, 1) for step in range(job.steps)]

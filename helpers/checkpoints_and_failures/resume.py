@@ -197,18 +197,16 @@ def advance(position: dict, steps_per_epoch: int) -> None:
         position.update(epoch=position["epoch"] + 1, offset=0)
 
 
-def one_process_losses(experiment, world_size: int) -> tuple:
-    """The reference, in this process: the same steps with every rank's batch (and its noise,
-    from that rank's own generator state) concatenated into one batch, on the model without
-    FSDP. An experiment with a `scheduler(optimizer)` (the exercise's) steps it after each
-    optimizer step. Returns ({step: loss}, {name: parameter})."""
-    model, optimizer = strategies.build("one_process", experiment.model())
-    scheduler = experiment.scheduler(optimizer) if hasattr(experiment, "scheduler") else None
+def global_batches(experiment, world_size: int) -> list:
+    """What one process trains on (reference.train, the reference): for each step, every rank's
+    batch (and its noise, from that rank's own generator state) concatenated into one. Each rank's
+    batch is the same size, so the whole batch's mean loss is the mean of the ranks' losses, whose
+    gradient FSDP averages."""
     samplers = [experiment.sampler(rank, world_size) for rank in range(world_size)]
     rng_states = [torch.manual_seed(experiment.seed + rank).get_state()
                   for rank in range(world_size)]
     saved = torch.get_rng_state()
-    losses, per_epoch = {}, experiment.steps_per_epoch(world_size)
+    batches, per_epoch = [], experiment.steps_per_epoch(world_size)
     for step in range(experiment.steps):
         epoch, offset = divmod(step, per_epoch)
         parts = []
@@ -216,17 +214,10 @@ def one_process_losses(experiment, world_size: int) -> tuple:
             torch.set_rng_state(rng_states[rank])
             parts.append(experiment.batch(samplers[rank], epoch, offset))
             rng_states[rank] = torch.get_rng_state()
-        optimizer.zero_grad()
-        # the mean of the ranks' losses, each over its own batch: FSDP's averaged gradient
-        loss = sum(reference.lm_loss(model(part.inputs), part.targets)
-                   for part in parts) / world_size
-        loss.backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        losses[step + 1] = loss.item()
+        batches.append(reference.Batch(torch.cat([part.inputs for part in parts]),
+                                       torch.cat([part.targets for part in parts])))
     torch.set_rng_state(saved)
-    return losses, {name: value.detach().clone() for name, value in model.named_parameters()}
+    return batches
 
 
 # --- saving in the background -------------------------------------------------------------------
