@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab present train cluster test long soak other-cpu slides cluster-tests ci test-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -40,41 +40,24 @@ cluster: setup
 
 # The tiers: each is one pytest run on two workers (pytest-xdist; much of a test's time is ranks
 # waiting for each other or for a timeout, which the other worker fills). Each file, a notebook's
-# cells above all, runs on one worker in order (--dist loadfile). Slowest first, in the order
-# given: the longest files start at once, short ones fill in behind them.
+# cells above all, runs on one worker in order (--dist loadfile). `--tier` (conftest.py) collects
+# the notebooks and test files of a tier as each lesson's package declares them (TIER, SLOW,
+# ROUNDING_FREE: helpers/lessons.py), slowest first, in that order (--no-loadscope-reorder): the
+# longest files start at once, short ones fill in behind them.
 PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
-SLOWEST_FIRST := notebooks/12_checkpoints_and_failures.ipynb notebooks/13_at_scale.ipynb \
-	tests/test_exercises.py tests/test_launcher.py notebooks/09_pipeline_parallelism.ipynb \
-	notebooks/07_zero_and_fsdp.ipynb notebooks/04_measuring_communication.ipynb
-# Lesson 15 runs against a real Slurm cluster, in a tier of its own (cluster-tests).
-ON_A_CLUSTER := notebooks/15_on_a_cluster.ipynb tests/test_on_a_cluster.py \
-	tests/test_on_a_cluster_exercises.py
-# Every file named once, in that order (pytest drops a file also covered by a folder given).
-ALL := $(SLOWEST_FIRST) $(filter-out $(SLOWEST_FIRST) $(ON_A_CLUSTER),$(NOTEBOOKS) \
-	$(wildcard tests/test_*.py)) tests/test_on_a_cluster.py
-# Notebooks no rounding can change (whole numbers, timings nbval ignores, counts, messages,
-# bit-for-bit and float64 comparisons): the other-CPU tier leaves them out.
-ROUNDING_FREE := notebooks/01_processes_and_groups.ipynb notebooks/02_point_to_point.ipynb \
-	notebooks/04_measuring_communication.ipynb notebooks/12_checkpoints_and_failures.ipynb \
-	notebooks/13_at_scale.ipynb
-# The capstone's notebook, a minute of training (two under make test's load): a tier of its own
-# (long), so that make test keeps its 8 minutes. Left out of the other-CPU tier too: its
-# rounding-dependent outputs are verdicts with wide margins (half a bit per byte below the
-# baseline; 0.1 between the 4 ranks' and one process's validation losses); its float64 equalities
-# run there as tests (tests/test_capstone.py, marked numerical). Checked once by hand under the
-# tier's setting.
-LONG_RUNS := notebooks/14_capstone.ipynb
 
-# Does the course work? The linter, every test but the soaks and the browser's, every notebook
-# against its committed outputs (nbval) but the capstone's and the cluster's (tiers of their own).
+# Does the course work? The linter, every test but the soaks, the browser's and the cluster's,
+# every notebook against its committed outputs (nbval) but those in tiers of their own (the
+# capstone's, long; the cluster's, cluster-tests).
 test: setup lint
-	$(PYTEST) -m "not soak and not gpu and not slides and not cluster" $(NBVAL) \
-		$(filter-out $(LONG_RUNS),$(ALL))
+	$(PYTEST) -m "not soak and not gpu and not slides and not cluster" $(NBVAL) --tier test \
+		notebooks tests
 
-# The capstone's notebook (lesson 14) under nbval: a minute of training.
+# The notebooks too long for make test (TIER = "long": lesson 14's capstone, a minute of
+# training) under nbval.
 long: setup
-	$(PY) -m pytest $(NBVAL) --durations=5 $(LONG_RUNS)
+	$(PY) -m pytest $(NBVAL) --durations=5 --tier long notebooks tests
 
 # Rare faults, slow by design: repetition, races between processes, real torchrun jobs. Test by
 # test over both workers (no notebooks here): a file's slow tests, lesson 13's and 14's above
@@ -89,22 +72,22 @@ soak: setup
 slides: setup
 	$(PYTEST) --dist load -rA -m slides tests/test_browser.py
 
-# Lesson 15 against a real Slurm of two nodes that each test starts (as root; Debian's slurm-wlm
-# and munge, installed here where missing): its notebook under nbval, the requeued job equal to
-# plain torchrun, the exercises' checkers submitting for real. Three files over both workers.
-# Where no cluster can start, its tests are skipped (the notebook's first cell fails, saying why);
-# REQUIRE_CLUSTER=1 (CI) makes that an error.
+# The lessons of TIER = "cluster" (lesson 15) against a real Slurm of two nodes that each test
+# starts (as root; Debian's slurm-wlm and munge, installed here where missing): its notebook under
+# nbval, the requeued job equal to plain torchrun, the exercises' checkers submitting for real.
+# Three files over both workers. Where no cluster can start, its tests are skipped (the notebook's
+# first cell fails, saying why); REQUIRE_CLUSTER=1 (CI) makes that an error.
 cluster-tests: setup
 	$(PY) -m helpers.on_a_cluster.cluster install
-	$(PYTEST) -m "cluster or notebook" $(NBVAL) $(ON_A_CLUSTER)
+	$(PYTEST) -m "cluster or notebook" $(NBVAL) --tier cluster notebooks tests
 
 # Another CPU's rounding: PyTorch's kernels without vector instructions sum in other orders. The
-# tests marked numerical (not those marked once, nor the checkers': messages) and the notebooks
-# rounding can change; the timing cells nbval ignores are not run again (conftest.py).
+# tests marked numerical (not those marked once, nor the checkers': messages) and make test's
+# notebooks that rounding can change (not ROUNDING_FREE); the timing cells nbval ignores are not
+# run again (conftest.py).
 other-cpu: setup
 	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "notebook or (numerical and not once)" \
-		-k "not checker" $(NBVAL) --nbval-skip-timings \
-		$(filter-out $(ROUNDING_FREE) $(LONG_RUNS),$(ALL))
+		-k "not checker" $(NBVAL) --nbval-skip-timings --tier other-cpu notebooks tests
 
 # On a machine with CUDA (skipped elsewhere): every strategy on the GPU with NCCL, autocast and
 # GradScaler on CUDA, the bytes held read from CUDA's allocator, gloo on CUDA tensors
@@ -112,16 +95,40 @@ other-cpu: setup
 test-gpu: setup
 	$(PY) -m pytest -m gpu -v tests/test_gpu.py
 
-# Every tier on this Python (.ci/run adds another Python's).
-ci: test long soak other-cpu slides cluster-tests
+# Every tier, in CI's order (.ci/run runs `make ci OTHER_PYTHON=...`), stopping at the first that
+# fails: README's make test first. The tiers run one after another: run beside each other, their
+# ranks outnumber the cores many times over and every tier slows (measured: other-cpu 3:28 alone,
+# 8:22 beside lesson 15's and the capstone's tiers, no faster in all). The other Python's
+# environment installs beside the other-CPU tier (no wall-clock bound there; an install is mostly
+# downloading and unpacking).
+CI_TIERS := test soak other-cpu cluster-tests long slides test-python
+BESIDE_other-cpu := $(if $(OTHER_PYTHON),other-python)
+ci:
+	$(foreach tier,$(CI_TIERS),$(MAKE) $(if $(BESIDE_$(tier)),-j2 $(tier) $(BESIDE_$(tier)),$(tier)) &&) true
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
-# launcher's tests (its soaks included) and one notebook. `make test-python PYTHON=python3.13`
-OTHER_VENV := .venv-$(notdir $(PYTHON))
+# launcher's tests (its soaks included) and one notebook. `make test-python
+# OTHER_PYTHON=python3.13`; without OTHER_PYTHON, a warning and nothing else.
+OTHER_VENV := .venv-$(notdir $(OTHER_PYTHON))
+ifeq ($(OTHER_PYTHON),)
 test-python:
-	$(MAKE) setup VENV=$(OTHER_VENV)
+	@echo "warning: no other Python (OTHER_PYTHON=python3.13); only $$($(PY) -V) was tested" >&2
+else
+test-python: other-python
 	$(OTHER_VENV)/bin/python -m pytest -n 2 tests/test_launcher.py tests/test_spawn.py
 	$(OTHER_VENV)/bin/python -m pytest $(NBVAL) notebooks/01_processes_and_groups.ipynb
+endif
+
+# The other Python's environment. What installing it says is shown when it ends, so that beside a
+# tier (ci) it does not cut into that tier's lines.
+other-python:
+	@log=$$(mktemp); \
+	if $(MAKE) setup VENV=$(OTHER_VENV) PYTHON=$(OTHER_PYTHON) >$$log 2>&1; then \
+		cat $$log; rm -f $$log; \
+	else \
+		cat $$log >&2; rm -f $$log; \
+		echo "error: installing the environment of $(OTHER_PYTHON) failed" >&2; exit 1; \
+	fi
 
 lint: setup
 	$(VENV)/bin/ruff check .

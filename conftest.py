@@ -1,4 +1,4 @@
-"""How the tiers (Makefile) run the notebooks under nbval.
+"""How the tiers (Makefile) choose their files, and run the notebooks under nbval.
 
 - Each notebook's cells carry the marker `notebook`, so that a tier can select them with `-m`.
 - nbval waits at most 5 s between two messages of a cell's output (its own constant), which a
@@ -12,6 +12,11 @@
   cause: jupyter_client picks the kernel's TCP ports free, then the kernel binds them, and the
   ranks' gloo connections take ephemeral ports all the while), and every cell of its notebook
   failed without running.
+- --tier NAME (test, long, cluster, other-cpu): the notebooks and test files of a tier, as each
+  lesson's package declares them (helpers/lessons.py says how); the others are not collected. A
+  tier hands its files to the workers slowest first (helpers.lessons.start_key): the slow lessons'
+  notebooks, the longest committed run first, then the test files that say `STARTS_FIRST = True`,
+  then the rest in the order collected. Every worker collects and sorts alike, as xdist requires.
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (a first line
   `# NBVAL_IGNORE_OUTPUT` and a `# (timings)` line under it) is not run when no later cell of its
   notebook needs a name it assigns. The other-CPU tier uses it: such a cell compares nothing
@@ -64,6 +69,9 @@ else:
 
 
 def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("test", "long", "cluster", "other-cpu"),
+                     help="collect only the notebooks and test files of this tier, slowest first "
+                          "(helpers/lessons.py)")
     parser.addoption("--nbval-skip-timings", action="store_true",
                      help="do not run notebook cells whose ignored output is a timing and whose "
                           "names no later cell uses")
@@ -76,12 +84,28 @@ def pytest_itemcollected(item):
         item.output_timeout = NBVAL_OUTPUT_WAIT_S
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Under --tier, a notebook or test file of another tier is not collected: not imported, not
+    listed. A file named on the command line is collected whatever its tier: pytest does not ask
+    this hook about it."""
+    tier = config.getoption("--tier")
+    if tier:
+        from helpers import lessons  # here, not above: it imports torch
+
+        tiers = lessons.tiers_of(collection_path)
+        if tiers is not None and tier not in tiers:
+            return True
+    return None  # False would overrule pytest's own ignores (--ignore, __pycache__)
+
+
 def _source(item) -> str | None:
     """A notebook cell's code (nbval's item), or None for any other test."""
     return getattr(getattr(item, "cell", None), "source", None)
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--tier"):
+        _slowest_first(items)
     _skip_the_cluster_lesson_where_no_cluster_starts(items)
     if not config.getoption("--nbval-skip-timings"):
         return
@@ -96,6 +120,19 @@ def pytest_collection_modifyitems(config, items):
         if assigned is not None and None not in used and not any(assigned & names
                                                                   for names in used):
             item.add_marker(skip)
+
+
+def _slowest_first(items):
+    """The items sorted by their file's place in the tier's order (helpers.lessons.start_key); the
+    sort is stable, so each file's items stay together and in their order."""
+    from helpers import lessons
+
+    keys = {}
+    for item in items:
+        if item.path not in keys:
+            module = getattr(item, "module", None)  # a notebook's cells have none
+            keys[item.path] = lessons.start_key(item.path, getattr(module, "STARTS_FIRST", False))
+    items.sort(key=lambda item: keys[item.path])
 
 
 def _skip_the_cluster_lesson_where_no_cluster_starts(items):

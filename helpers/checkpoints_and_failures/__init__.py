@@ -14,6 +14,10 @@ kernel. exercises: the checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "12_checkpoints_and_failures.ipynb"
+# Its notebook is one of a tier's longest files, and no rounding can change its outputs: a
+# tier starts it first, and the other-CPU tier leaves it out (helpers/lessons.py).
+SLOW = True
+ROUNDING_FREE = True
 
 # The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
 # (tests/test_structure.py checks the imports, name by name):

@@ -12,6 +12,9 @@ solutions: their reference solutions.
 """
 
 NOTEBOOK = "15_on_a_cluster.ipynb"
+# Its notebook and its tests run against a real Slurm cluster, in a tier of their own
+# (make cluster-tests; helpers/lessons.py).
+TIER = "cluster"
 
 # The names this lesson takes from earlier lessons (tests/test_structure.py checks the imports):
 BUILDS_ON = {

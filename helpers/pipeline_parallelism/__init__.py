@@ -9,3 +9,5 @@ the kernel. exercises: the checked exercises; solutions: their reference solutio
 """
 
 NOTEBOOK = "09_pipeline_parallelism.ipynb"
+# Its notebook is one of a tier's longest files: a tier starts it first (helpers/lessons.py).
+SLOW = True

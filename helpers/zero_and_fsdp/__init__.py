@@ -10,6 +10,8 @@ solutions: the checked exercises.
 """
 
 NOTEBOOK = "07_zero_and_fsdp.ipynb"
+# Its notebook is one of a tier's longest files: a tier starts it first (helpers/lessons.py).
+SLOW = True
 
 # The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
 # (tests/test_structure.py checks the imports, name by name):

@@ -1,0 +1,214 @@
+"""The tiers as data: each lesson's package says where its notebook and tests run (TIER, SLOW,
+ROUNDING_FREE; helpers/lessons.py), conftest.py's `--tier` selects and orders from that, and the
+Makefile and .ci/run name no lesson's files. The expectations here are written out, not read from
+the code under test."""
+
+import importlib
+import importlib.util
+import json
+import pathlib
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import lessons
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LESSON_NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+# What a lesson's __init__.py may define in capitals: a mistyped tier constant would otherwise
+# leave its lesson at the defaults without a word.
+LESSON_CONSTANTS = {"NOTEBOOK", "BUILDS_ON", "TIER", "SLOW", "ROUNDING_FREE"}
+
+
+def test_every_lessons_constants_are_valid():
+    for lesson in lessons.lessons():  # lessons() raises on a bad value
+        package = importlib.import_module(lesson.package)
+        capitals = {name for name in vars(package) if name.isupper()}
+        assert capitals <= LESSON_CONSTANTS, f"{lesson.package}: {capitals - LESSON_CONSTANTS}"
+        assert lesson.tier in ("test", "long", "cluster")
+        assert isinstance(lesson.slow, bool) and isinstance(lesson.rounding_free, bool)
+
+
+@pytest.mark.parametrize("notebook", LESSON_NOTEBOOKS, ids=lambda path: path.stem)
+def test_every_notebook_is_a_lessons_and_in_exactly_one_of_test_long_cluster(notebook):
+    assert lessons.lesson_of(notebook) is not None, "no lesson's NOTEBOOK names it"
+    assert len(lessons.tiers_of(notebook) & {"test", "long", "cluster"}) == 1
+
+
+# (file, the tiers that run it): the old Makefile's lists, for a few lessons and shared files.
+EXPECTED = [
+    ("notebooks/01_processes_and_groups.ipynb", {"test"}),  # rounding-free
+    ("notebooks/03_collectives.ipynb", {"test", "other-cpu"}),
+    ("notebooks/13_at_scale.ipynb", {"test"}),  # rounding-free
+    ("notebooks/14_capstone.ipynb", {"long"}),
+    ("notebooks/15_on_a_cluster.ipynb", {"cluster"}),
+    ("tests/test_capstone.py", {"test", "other-cpu"}),  # a long lesson's tests run in make test
+    ("tests/test_composing_experts.py", {"test", "other-cpu"}),
+    ("tests/test_on_a_cluster.py", {"test", "cluster"}),  # make test runs its tests but cluster's
+    ("tests/test_on_a_cluster_exercises.py", {"test", "cluster"}),
+    ("tests/test_launcher.py", {"test", "other-cpu"}),
+    ("notebooks/Untitled.ipynb", set()),  # a learner's own notebook, from make lab
+    ("tests/conftest.py", None),
+    ("notebooks/rise.css", None),
+]
+
+
+@pytest.mark.parametrize(("path", "tiers"), EXPECTED, ids=[path for path, _ in EXPECTED])
+def test_the_tiers_of_a_file_are_what_its_lesson_says(path, tiers):
+    assert lessons.tiers_of(ROOT / path) == tiers
+
+
+def test_a_test_file_belongs_to_the_lesson_it_is_named_after():
+    owner = {name: lessons.lesson_of(f"tests/{name}") for name in (
+        "test_composing.py", "test_composing_experts.py", "test_at_scale_step_time.py",
+        "test_launcher.py", "test_exercises.py", "conftest.py")}
+    assert {name: lesson and lesson.package for name, lesson in owner.items()} == {
+        "test_composing.py": "helpers.composing",
+        "test_composing_experts.py": "helpers.composing",
+        "test_at_scale_step_time.py": "helpers.at_scale",
+        "test_launcher.py": None, "test_exercises.py": None, "conftest.py": None}
+
+
+def test_a_lesson_with_an_unknown_tier_or_flag_is_refused_by_name(monkeypatch):
+    import helpers.capstone
+
+    monkeypatch.setattr(helpers.capstone, "TIER", "nonsense", raising=False)
+    with pytest.raises(ValueError, match=r"helpers\.capstone: TIER is 'nonsense'"):
+        lessons.lessons()
+    with pytest.raises(ValueError, match="helpers.capstone"):
+        lessons.tiers_of(ROOT / "notebooks/03_collectives.ipynb")
+    monkeypatch.setattr(helpers.capstone, "TIER", "long")
+    monkeypatch.setattr(helpers.capstone, "SLOW", "yes", raising=False)
+    with pytest.raises(ValueError, match=r"helpers\.capstone: SLOW is 'yes'"):
+        lessons.lessons()
+
+
+def _notebook(path, stem, seconds):
+    """A fake notebook of lesson `stem`, whose code cells took `seconds` each, and a markdown cell
+    that carries timings too (nbconvert's, which do not count)."""
+    def cell(kind, took):
+        times = {"iopub.execute_input": "2026-11-29T07:00:00.000000Z",
+                 "shell.execute_reply": f"2026-11-29T07:00:{took:09.6f}Z"}
+        return {"cell_type": kind, "metadata": {"execution": times}, "source": ""}
+
+    cells = [cell("code", took) for took in seconds] + [cell("markdown", 30.0)]
+    cells.append({"cell_type": "code", "metadata": {}, "source": ""})  # never executed
+    notebook = path / f"{stem}.ipynb"
+    notebook.write_text(json.dumps({"cells": cells}))
+    return notebook
+
+
+def test_a_notebooks_seconds_are_its_code_cells_committed_times(tmp_path):
+    notebook = _notebook(tmp_path, "03_collectives", [1.5, 2.25])
+    assert lessons.notebook_seconds(notebook) == pytest.approx(3.75)
+
+
+def test_slow_notebooks_start_first_the_longest_first_then_the_test_files_that_say_so(tmp_path):
+    # 04, 09 and 12 are SLOW; 01 is not, however long.
+    collected = [_notebook(tmp_path, "01_processes_and_groups", [50.0]),
+                 _notebook(tmp_path, "04_measuring_communication", [20.0]),
+                 _notebook(tmp_path, "09_pipeline_parallelism", [5.0, 5.0]),
+                 _notebook(tmp_path, "12_checkpoints_and_failures", [40.0]),
+                 tmp_path / "test_launcher.py", tmp_path / "test_llama.py"]
+    first = {tmp_path / "test_launcher.py"}
+    order = sorted(collected, key=lambda path: lessons.start_key(path, path in first))
+    assert [path.stem for path in order] == [
+        "12_checkpoints_and_failures", "04_measuring_communication", "09_pipeline_parallelism",
+        "test_launcher", "01_processes_and_groups", "test_llama"]
+
+
+def _root_conftest():
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Options:
+    """A pytest config that has only --tier."""
+
+    def __init__(self, tier):
+        self.tier = tier
+
+    def getoption(self, name):
+        assert name == "--tier"
+        return self.tier
+
+
+@pytest.mark.parametrize(("tier", "path", "ignored"), [
+    ("test", "notebooks/14_capstone.ipynb", True),
+    ("long", "notebooks/14_capstone.ipynb", None),
+    ("long", "tests/test_capstone.py", True),
+    ("other-cpu", "notebooks/01_processes_and_groups.ipynb", True),
+    ("other-cpu", "tests/test_on_a_cluster_exercises.py", True),
+    ("cluster", "tests/test_on_a_cluster_exercises.py", None),
+    ("cluster", "tests/conftest.py", None),  # not a notebook or test file: pytest's to judge
+    ("cluster", "tests", None),
+    (None, "notebooks/14_capstone.ipynb", None),  # no --tier: everything as before
+])
+def test_a_tier_does_not_collect_another_tiers_files(tier, path, ignored):
+    conftest = _root_conftest()
+    assert conftest.pytest_ignore_collect(ROOT / path, _Options(tier)) is ignored
+
+
+def test_a_tiers_items_are_sorted_by_file_slow_ones_first_each_file_whole_and_in_order(tmp_path):
+    """conftest.py's sort of the collected items, on stand-ins for nbval's cells and tests."""
+    def items(path, count, module=None):
+        return [SimpleNamespace(path=path, name=f"{path.stem} {index}", module=module)
+                for index in range(count)]
+
+    collected = (items(_notebook(tmp_path, "03_collectives", [90.0]), 2)
+                 + items(_notebook(tmp_path, "07_zero_and_fsdp", [10.0]), 3)
+                 + items(_notebook(tmp_path, "09_pipeline_parallelism", [20.0]), 2)
+                 + items(tmp_path / "test_launcher.py", 2, SimpleNamespace(STARTS_FIRST=True))
+                 + items(tmp_path / "test_llama.py", 1, SimpleNamespace()))
+    _root_conftest()._slowest_first(collected)
+    assert [item.name for item in collected] == [
+        "09_pipeline_parallelism 0", "09_pipeline_parallelism 1",
+        "07_zero_and_fsdp 0", "07_zero_and_fsdp 1", "07_zero_and_fsdp 2",
+        "test_launcher 0", "test_launcher 1", "03_collectives 0", "03_collectives 1",
+        "test_llama 0"]
+
+
+def _makefile_rules():
+    """(rule, line) for each line of the Makefile outside comments; a variable's line has no
+    rule."""
+    rule = None
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        if line.startswith("\t"):
+            yield rule, line
+        elif not line.startswith("#") and line.strip():
+            target = re.match(r"([\w.-]+)\s*:(?!=)", line)
+            rule = target.group(1) if target else None
+            yield rule, line
+
+
+def test_the_makefile_names_no_notebook_or_test_file_but_the_few_a_target_runs_itself():
+    named = {(rule, path) for rule, line in _makefile_rules()
+             for path in re.findall(r"notebooks/\d\d_\w+\.ipynb|tests/test_\w+\.py", line)}
+    assert named == {("slides", "tests/test_browser.py"), ("test-gpu", "tests/test_gpu.py"),
+                     ("test-python", "tests/test_launcher.py"),
+                     ("test-python", "tests/test_spawn.py"),
+                     ("test-python", "notebooks/01_processes_and_groups.ipynb")}
+
+
+def test_each_tier_of_the_makefile_runs_pytest_on_its_tier_of_both_folders():
+    recipes = {}
+    for rule, line in _makefile_rules():
+        recipes[rule] = recipes.get(rule, "") + line.rstrip("\\") + " "
+    for target, tier in {"test": "test", "long": "long", "cluster-tests": "cluster",
+                         "other-cpu": "other-cpu"}.items():
+        assert re.search(rf"--tier {tier}\s+notebooks tests\b", recipes[target]), target
+
+
+def test_ci_runs_every_tier_readmes_test_first_and_ci_run_only_make_ci():
+    makefile = (ROOT / "Makefile").read_text()
+    tiers = re.search(r"^CI_TIERS := (.*)$", makefile, re.M).group(1).split()
+    assert tiers[0] == "test"
+    assert set(tiers) == {"test", "soak", "other-cpu", "cluster-tests", "long", "slides",
+                          "test-python"}
+    script = [line for line in (ROOT / ".ci/run").read_text().splitlines()
+              if not line.lstrip().startswith("#")]
+    assert [re.search(r"\bmake (\S+)", line).group(1) for line in script
+            if re.search(r"\bmake ", line)] == ["ci"]
