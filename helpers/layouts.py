@@ -242,7 +242,8 @@ def make_mesh(plan: Plan):
     """The mesh of `plan` on the launcher's device, its dimensions named: "replicate" and "tp"
     where their degree is above 1, "dp" always (("dp",), ("dp", "tp"), ("replicate", "dp"),
     ("replicate", "dp", "tp")), outermost first: the ranks of one tensor-parallel group are
-    neighbours, as torchtitan's build_mesh puts them."""
+    neighbours, as torchtitan's build_mesh puts them. (torchtitan names the sharding dimension
+    "dp_shard" and the replicas "dp_replicate", and drops every dimension of size 1.)"""
     from torch.distributed.device_mesh import init_device_mesh
 
     from helpers.launcher.result import get_device

@@ -51,8 +51,9 @@ def test_fake_ranks_account_for_a_float32_step_exactly_as_real_ranks(plan):
 @pytest.mark.numerical
 @pytest.mark.soak  # 15 s; make test runs the same step at 2 blocks
 def test_a_deep_model_clipped_by_its_norm_is_accounted_for_as_on_real_ranks():
-    """32 blocks: where PyTorch's foreach norm, under FakeTensorMode, would hold a fake copy of
-    every gradient (train_step's clip_to_norm computes it one tensor at a time)."""
+    """32 blocks, clipped by the global norm (train_step's clip_to_norm, foreach=True as
+    torchtitan's): the norm's temporaries over every gradient, under FakeTensorMode, are
+    accounted for as on real ranks."""
     plan = Plan(dp=4, recompute="full", **SMALL)
     real = run(account_worker, 4, args=(dataclasses.replace(SHAPE, layers=32), plan),
                kwargs={"measure": ("memory",)}, show_output=False, timeout=300)
