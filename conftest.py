@@ -17,6 +17,9 @@
   tier hands its files to the workers slowest first (helpers.lessons.start_key): the slow lessons'
   notebooks, the longest committed run first, then the test files that say `STARTS_FIRST = True`,
   then the rest in the order collected. Every worker collects and sorts alike, as xdist requires.
+  At the end the tier prints each lesson's share of its time: the seconds its notebook's cells
+  and its test files took, summed over the workers (`lesson_shares`), so that a budget shows
+  where it goes.
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (a first line
   `# NBVAL_IGNORE_OUTPUT` and a `# (timings)` line under it) is not run when no later cell of its
   notebook needs a name it assigns. The other-CPU tier uses it: such a cell compares nothing
@@ -96,6 +99,37 @@ def pytest_ignore_collect(collection_path, config):
         if tiers is not None and tier not in tiers:
             return True
     return None  # False would overrule pytest's own ignores (--ignore, __pycache__)
+
+
+SECONDS_BY_FILE: dict = {}  # under --tier: a file's seconds, setup, call and teardown summed
+
+
+def pytest_runtest_logreport(report):
+    """Every phase of every test, as the workers report it to the controller."""
+    path = report.nodeid.split("::")[0]
+    SECONDS_BY_FILE[path] = SECONDS_BY_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("--tier") and SECONDS_BY_FILE:
+        terminalreporter.write_sep("-", f"each lesson's share of tier {config.getoption('--tier')}")
+        for line in lesson_shares(SECONDS_BY_FILE):
+            terminalreporter.write_line(line)
+
+
+def lesson_shares(seconds_by_file: dict) -> list:
+    """Lines "lesson 13  412 s  31%": the seconds of each lesson's notebook and test files (a
+    shared test file's under "shared"), summed over the workers, largest first."""
+    from helpers import lessons
+
+    shares = {}
+    for path, seconds in seconds_by_file.items():
+        lesson = lessons.lesson_of(path)
+        key = f"lesson {lesson.number:02d}" if lesson else "shared"
+        shares[key] = shares.get(key, 0.0) + seconds
+    total = sum(shares.values()) or 1.0
+    return [f"{key:10s} {seconds:6.0f} s  {100 * seconds / total:3.0f}%"
+            for key, seconds in sorted(shares.items(), key=lambda item: -item[1])]
 
 
 def _source(item) -> str | None:

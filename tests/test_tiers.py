@@ -212,3 +212,11 @@ def test_ci_runs_every_tier_readmes_test_first_and_ci_run_only_make_ci():
               if not line.lstrip().startswith("#")]
     assert [re.search(r"\bmake (\S+)", line).group(1) for line in script
             if re.search(r"\bmake ", line)] == ["ci"]
+
+
+def test_each_lessons_share_of_a_tier_sums_its_notebook_and_its_test_files():
+    seconds = {"notebooks/13_at_scale.ipynb": 60.0, "tests/test_at_scale.py": 20.0,
+               "tests/test_at_scale_step_time.py": 10.0, "tests/test_launcher.py": 30.0,
+               "notebooks/01_processes_and_groups.ipynb": 5.0}
+    assert _root_conftest().lesson_shares(seconds) == [
+        "lesson 13      90 s   72%", "shared         30 s   24%", "lesson 01       5 s    4%"]
