@@ -61,9 +61,12 @@ long: setup
 
 # Rare faults, slow by design: repetition, races between processes, real torchrun jobs. Test by
 # test over both workers (no notebooks here): a file's slow tests, lesson 13's and 14's above
-# all, need not wait for each other on one worker.
+# all, need not wait for each other on one worker. Of a parametrized test, a third of its cases
+# run, chosen from the commit (conftest.py, --cases-share): every test in every run, every case
+# within three commits. `make soak SOAK_SHARE=1` runs them all.
+SOAK_SHARE ?= 3
 soak: setup
-	$(PYTEST) --dist load -m soak tests
+	$(PYTEST) --dist load -m soak --cases-share $(SOAK_SHARE) tests
 
 # Every lesson in a real browser (tests/test_browser.py): as an instructor presents it, RISE's
 # slides in Chromium at 1280 x 720, each lesson's first widget run live and moved, one lesson a

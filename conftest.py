@@ -20,6 +20,10 @@
   At the end the tier prints each lesson's share of its time: the seconds its notebook's cells
   and its test files took, summed over the workers (`lesson_shares`), so that a budget shows
   where it goes.
+- --cases-share N: of each parametrized test, one case in N runs, chosen from the commit (the
+  cases whose index is the commit's number modulo N; a test with fewer cases runs one of them), so
+  that every test runs in every run and every case within N commits. The soak tier uses it: its
+  cases repeat one way of failing with another input, and it was the longest tier.
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (a first line
   `# NBVAL_IGNORE_OUTPUT` and a `# (timings)` line under it) is not run when no later cell of its
   notebook needs a name it assigns. The other-CPU tier uses it: such a cell compares nothing
@@ -75,6 +79,8 @@ def pytest_addoption(parser):
     parser.addoption("--tier", choices=("test", "long", "cluster", "other-cpu"),
                      help="collect only the notebooks and test files of this tier, slowest first "
                           "(helpers/lessons.py)")
+    parser.addoption("--cases-share", type=int, default=1, metavar="N",
+                     help="run one case in N of each parametrized test, chosen from the commit")
     parser.addoption("--nbval-skip-timings", action="store_true",
                      help="do not run notebook cells whose ignored output is a timing and whose "
                           "names no later cell uses")
@@ -141,6 +147,11 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--tier"):
         _slowest_first(items)
     _skip_the_cluster_lesson_where_no_cluster_starts(items)
+    share = config.getoption("--cases-share")
+    if share > 1:
+        kept = cases_kept([item.nodeid for item in items], share, _commit_number())
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in kept])
+        items[:] = [item for item in items if item.nodeid in kept]
     if not config.getoption("--nbval-skip-timings"):
         return
     skip = pytest.mark.skip(reason="a timing nbval ignores: compared on no pass, run on the first")
@@ -154,6 +165,36 @@ def pytest_collection_modifyitems(config, items):
         if assigned is not None and None not in used and not any(assigned & names
                                                                   for names in used):
             item.add_marker(skip)
+
+
+def cases_kept(nodeids: list, share: int, number: int) -> set:
+    """The node ids --cases-share keeps: every test that is not parametrized; of each one that
+    is, its cases at indices i with i % share == number % share, or, where it has too few cases
+    for that, the one at number % (its count)."""
+    cases = {}
+    for nodeid in nodeids:
+        cases.setdefault(nodeid.split("[")[0], []).append(nodeid)
+    kept = set()
+    for ids in cases.values():
+        if len(ids) == 1 and "[" not in ids[0]:
+            kept.add(ids[0])
+            continue
+        chosen = [nodeid for index, nodeid in enumerate(ids) if index % share == number % share]
+        kept.update(chosen or [ids[number % len(ids)]])
+    return kept
+
+
+def _commit_number() -> int:
+    """The checked-out commit as a number (0 outside a git checkout): every xdist worker, and
+    every run of the same commit, chooses the same cases."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
+        return int(head.stdout.strip(), 16)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return 0
 
 
 def _slowest_first(items):

@@ -220,3 +220,16 @@ def test_each_lessons_share_of_a_tier_sums_its_notebook_and_its_test_files():
                "notebooks/01_processes_and_groups.ipynb": 5.0}
     assert _root_conftest().lesson_shares(seconds) == [
         "lesson 13      90 s   72%", "shared         30 s   24%", "lesson 01       5 s    4%"]
+
+
+def test_a_share_of_cases_keeps_every_test_and_one_case_in_n_chosen_by_the_commit():
+    ids = ["t.py::plain", "t.py::table[a]", "t.py::table[b]", "t.py::table[c]",
+           "t.py::table[d]", "t.py::pair[x]", "t.py::pair[y]"]
+    keep = _root_conftest().cases_kept
+    # number 4: 4 % 3 = 1, so index 1 of each table; the pair has index 1 too
+    assert keep(ids, 3, 4) == {"t.py::plain", "t.py::table[b]", "t.py::pair[y]"}
+    # number 5: index 2, and 5 % 3 = 2 leaves the pair none: its case 5 % 2 = 1
+    assert keep(ids, 3, 5) == {"t.py::plain", "t.py::table[c]", "t.py::pair[y]"}
+    # over three commits in a row, every case runs
+    assert set().union(*(keep(ids, 3, number) for number in (6, 7, 8))) == set(ids)
+    assert keep(ids, 1, 7) == set(ids)
