@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab present train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present release grade train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -26,6 +26,25 @@ endif
 endif
 present: setup
 	$(PY) -m helpers.present $(LESSON)
+
+# For a class (docs/teaching.md). `make release DEST=dir`: a copy of the course for students, with
+# no reference solutions (helpers/release.py). `make grade SUBMISSIONS=dir`: every student's
+# handed-in notebooks graded, each in a sandbox of its own, into dir/grades.csv (helpers/grading).
+ifneq ($(filter release,$(MAKECMDGOALS)),)
+ifeq ($(DEST),)
+$(error say where: make release DEST=../course-for-students)
+endif
+endif
+ifneq ($(filter grade,$(MAKECMDGOALS)),)
+ifeq ($(SUBMISSIONS),)
+$(error say which folder: make grade SUBMISSIONS=handed-in)
+endif
+endif
+release: setup
+	$(PY) -m helpers.release $(DEST)
+
+grade: setup
+	$(PY) -m helpers.grading $(SUBMISSIONS) $(ARGS)
 
 # The capstone's longer run (lesson 14): 600 steps under torchrun on 4 ranks (10 minutes on the 2
 # cores of its committed record, trained.json), with a progress line, in runs/capstone/. Ctrl-C saves a checkpoint and stops; `make train`

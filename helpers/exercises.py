@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import os
@@ -61,6 +62,8 @@ class Exercise:
     lesson: str = ""  # the lesson's package, e.g. "helpers.collectives" (filled in by `exercises`)
     rel_tol: float = 1e-4  # how near a float must be (see _compare); a float64 result that must
     # repeat the same operations, as a resumed run's losses, asks for far less
+    points: int = 1  # what it is worth when graded (helpers.grading): 1, 2 for one its notebook
+    # calls harder, 3 for a design exercise, whose statement says what must hold, not how
 
     def worker(self, function, log_dir: str):
         """The worker that `run` starts: hands each rank its inputs and calls the learner's code,
@@ -129,10 +132,31 @@ def exercises() -> dict:
     return found
 
 
+class SolutionWithheld(LookupError):
+    """A student release (`make release`) has no reference solutions."""
+
+
 def solution(name: str):
-    """The reference solution of exercise `name` (helpers.<lesson>.solutions.<name>)."""
-    module = importlib.import_module(f"{_exercise(name).lesson}.solutions")
+    """The reference solution of exercise `name` (helpers.<lesson>.solutions.<name>); in a
+    student release, which has none, SolutionWithheld says so."""
+    package = _exercise(name).lesson
+    try:
+        module = importlib.import_module(f"{package}.solutions")
+    except ModuleNotFoundError as error:
+        if error.name != f"{package}.solutions":
+            raise
+        raise SolutionWithheld(
+            f"the reference solution of {name!r} is withheld in this copy of the course (a "
+            "student release): your instructor has it. check() tells you what differs.") from None
     return getattr(module, name)
+
+
+def solutions_withheld() -> bool:
+    """Whether this copy of the course is a student release, without reference solutions."""
+    from helpers.lessons import lessons
+
+    return not any(importlib.util.find_spec(f"{lesson.package}.solutions")
+                   for lesson in lessons())
 
 
 def _exercise(name: str) -> Exercise:

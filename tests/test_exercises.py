@@ -3,13 +3,18 @@ exercise, and knows every exercise by name. Each lesson's test file shows that i
 typical mistakes (tests/checker.py)."""
 
 import html
+import pathlib
+import re
 
+import nbformat
 import pytest
 import torch
 from checker import not_started
 
 from helpers import exercises
 from helpers.lessons import lessons
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # One of a tier's longest files: a tier starts it first (helpers/lessons.py).
 STARTS_FIRST = True
@@ -154,3 +159,41 @@ def test_a_function_of_the_wrong_signature_is_named_before_any_rank_starts():
 def test_something_that_is_no_function_is_named_before_any_rank_starts():
     text = repr(exercises.check("broadcast_from_p2p", _takes_too_few(0, 1)))
     assert "check() needs your function itself, got int 0" in text, text
+
+
+def _exercise_cells():
+    """(notebook, the exercise its metadata names, the cell's source, the heading above it)."""
+    found = []
+    for lesson in lessons():
+        notebook = nbformat.read(ROOT / "notebooks" / f"{lesson.stem}.ipynb", as_version=4)
+        heading = ""
+        for cell in notebook.cells:
+            if cell.cell_type == "markdown":
+                headings = re.findall(r"^(?:###? .*|\*\*.*?\*\*)", cell.source, re.M)
+                heading = headings[-1] if headings else heading
+            elif "exercise" in cell.metadata:
+                found.append((lesson, cell.metadata["exercise"], cell.source, heading))
+    return found
+
+
+def test_every_exercise_has_one_answer_cell_marked_in_its_lessons_notebook():
+    """A grader finds a learner's answer by the cell's metadata (`"exercise": name`), not by
+    reading prose: each exercise's cell is marked, once, in its own lesson's notebook, and calls
+    check() on that exercise; no other cell calls check()."""
+    cells = _exercise_cells()
+    marked = [name for _, name, _, _ in cells]
+    assert sorted(marked) == sorted(exercises.exercises())
+    for lesson, name, source, _ in cells:
+        assert exercises.exercises()[name].lesson == lesson.package
+        assert re.findall(r'^check\("(\w+)"', source, re.M) == [name]
+    for lesson in lessons():
+        text = (ROOT / "notebooks" / f"{lesson.stem}.ipynb").read_text()
+        assert text.count('check(\\"') == sum(1 for one, *_ in cells if one == lesson)
+
+
+def test_points_are_what_the_notebook_calls_the_exercise():
+    """Graded points (helpers.grading): 3 for a design exercise, 2 for a harder one, 1 for the
+    rest, as each exercise's heading in its notebook says."""
+    for _, name, _, heading in _exercise_cells():
+        want = 3 if "(design)" in heading else 2 if "(harder)" in heading else 1
+        assert exercises.exercises()[name].points == want, (name, heading)

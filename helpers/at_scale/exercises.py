@@ -127,6 +127,7 @@ EXERCISES["choose_plan"] = Exercise(
     hint_for=_plan_hint,
     hint="a Verdict of fits() has the step's estimated time as well as its peak: which choices "
          "make a step slower is for the estimate to say.",
+    points=3,
 )
 
 

@@ -478,7 +478,7 @@ EXERCISES["capstone"] = Exercise(
          "data-parallel half's, averaged. The gradients' global norm takes every rank's "
          "pieces, once each. A checkpoint holds the weights and AdamW's state, and the resumed "
          "run goes on from the step after it.",
-    hint_for=_capstone_hint,
+    hint_for=_capstone_hint, points=3,
 )
 
 
@@ -672,7 +672,7 @@ EXERCISES["recipe_step"] = Exercise(
     hint="each step is the whole batch's: the micro-batches' losses weighted by their share of "
          "the sequences, the gradients reduced over dp once, clipped by the global norm, then "
          "the optimizer's step and the schedule's.",
-    hint_for=_recipe_hint,
+    hint_for=_recipe_hint, points=3,
 )
 
 
@@ -849,7 +849,7 @@ EXERCISES["entry_point"] = Exercise(
     timeout=2 * ENTRY_TIMEOUT,
     hint="a signal must not end a rank: it raises a flag; after every step the ranks agree "
          "whether any flag is up, and all stop together.",
-    hint_for=_entry_hint,
+    hint_for=_entry_hint, points=3,
 )
 
 # --- one norm over two mesh dimensions ----------------------------------------------------------

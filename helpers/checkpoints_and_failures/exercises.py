@@ -117,6 +117,7 @@ EXERCISES["resumable"] = Exercise(
     hint="did the second run start after the newest checkpoint? What does step k + 1 depend on, "
          "besides the weights, and which of those differs from rank to rank? (A key of a DCP "
          "state that differs between ranks needs the rank in its name.)",
+    points=3,
 )
 
 

@@ -34,7 +34,7 @@ EXERCISES["mesh_groups"] = Exercise(
     [(8, ((2, 2, 2),)), (6, ((3, 2),)), (6, ((1, 2, 3),))],
     lambda rank, n, sizes: _grid_members(rank, sizes),
     rules=(Only(text="no communication is needed: create the groups and read their members"),
-           SameGroups()))
+           SameGroups()), points=3)
 
 DP_TP_WIDTH, DP_TP_BATCH = 6, 12  # the MLP's width h (its hidden width is 4h) and the batch
 
@@ -99,7 +99,7 @@ EXERCISES["dp_tp_step"] = Exercise(
     hint_for=_dp_tp_hint,
     rules=(Only("all_reduce", text="communicate only with all_reduce"),
            OffTheWorld("all_reduce", text="reduce only within your dp group or your tp group"),
-           SameGroups()))
+           SameGroups()), points=3)
 
 # --- experts ------------------------------------------------------------------------------------
 
@@ -248,4 +248,4 @@ EXERCISES["ring_attention_forward"] = Exercise(
                         "tensor, once per step but the last: N - 1 times",
                    who="the ring"),
            OverlapsCompute(text="start each transfer (isend, irecv) before you compute, wait "
-                                "for it after")))
+                                "for it after")), points=2)

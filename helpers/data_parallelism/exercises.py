@@ -87,7 +87,7 @@ EXERCISES = {
             _gradients_of_rank(rank, n, seed, SHAPES), bucket_bytes),
         rules=(Only("all_reduce", text="use only all_reduce"),
                CallSizes("all_reduce", lambda n, seed, bucket_bytes: _bucket_numels(bucket_bytes),
-                         text="one all_reduce per bucket, packed from the last tensor"))),
+                         text="one all_reduce per bucket, packed from the last tensor")), points=2),
 }
 
 
@@ -166,5 +166,5 @@ EXERCISES["overlapped_average"] = BackwardExercise(
     inputs=_overlap_inputs,
     rules=(Only("all_reduce", text="communicate with all_reduce only"),
            Overlapped(text="every all_reduce starts while backward runs, as soon as the "
-                           "gradient it carries is ready")))
+                           "gradient it carries is ready")), points=3)
 

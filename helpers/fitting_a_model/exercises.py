@@ -84,6 +84,7 @@ EXERCISES["checkpointed"] = Exercise(
            "the bytes of what autograd saved during the call, other than x"),
     hint="is anything recorded while forward runs function the first time? And when backward "
          "runs it again: from which input, for which parameters, drawing which random numbers?",
+    points=3,
 )
 
 
@@ -188,4 +189,5 @@ EXERCISES["scaled_step"] = Exercise(
          "step whose gradients overflowed leave the weights, and SGD's momentum, untouched? "
          f"What happens to the scale, and to good_steps, after an overflow, and after "
          f"{GROWTH_INTERVAL} good steps in a row?",
+    points=3,
 )

@@ -46,5 +46,5 @@ EXERCISES = {
         [(2**30, 4, 8, 450e9, 50e9), (2**28, 1, 8, 450e9, 50e9), (2**28, 16, 1, 450e9, 50e9),
          (10**9, 2, 4, 300e9, 25e9)],
         _two_level_seconds,
-        distributed=False),
+        distributed=False, points=2),
 }

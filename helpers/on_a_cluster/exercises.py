@@ -140,6 +140,7 @@ EXERCISES["batch_script"] = Exercise(
          "SLURM_NTASKS, its number on the node in SLURM_LOCALID",
     hint_for=_hint,
     rel_tol=0.0,  # the same operations in the same order as the torchrun run: equal, bit for bit
+    points=3,
 )
 
 

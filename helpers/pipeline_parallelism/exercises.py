@@ -122,7 +122,7 @@ EXERCISES = {
                SendsTo(_one_f_one_b_sends,
                        text="send in 1F1B's order: each forward's activations to rank + 1, "
                             "each backward's gradient to rank - 1",
-                       who="1F1B"))),
+                       who="1F1B")), points=2),
 }
 
 
@@ -154,4 +154,4 @@ EXERCISES["pipeline_by_order"] = Exercise(
     timeout=20,
     rules=(Only(*POINT_TO_POINT, text="use point-to-point calls only (no collectives)"),
            SendsTo(_order_sends, text="each activation once to rank + 1 and each gradient once "
-                                      "to rank - 1, in your order", who="the order")))
+                                      "to rank - 1, in your order", who="the order")), points=3)

@@ -58,5 +58,5 @@ EXERCISES = {
         inputs=_zeros_off_rank_0,
         rules=(Only("send", "recv", text="use only send and recv"),
                AtMostSends(log2_ceil, text="a rank sends at most ⌈log2 n⌉ times"),
-               InRounds("every rank has the data after ⌈log2 n⌉ rounds"))),
+               InRounds("every rank has the data after ⌈log2 n⌉ rounds")), points=2),
 }

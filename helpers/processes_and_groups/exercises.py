@@ -39,5 +39,5 @@ EXERCISES = {
         rules=(SameGroups(), Only("all_reduce", text="use only all_reduce"),
                OffTheWorld("all_reduce", text="every all_reduce names a row or a column group, "
                                               "never the whole world")),
-        names=("your row's sum", "your column's sum", "the total")),
+        names=("your row's sum", "your column's sum", "the total"), points=2),
 }

@@ -122,7 +122,7 @@ EXERCISES = {
                CallSizes("reduce_scatter_single",
                          lambda n, seed, batch, seq_len, h, out: [batch * seq_len * h // n],
                          text="one reduce_scatter_single of x's gradient, into your tokens")),
-        names=("y", "the gradient of x_tokens", "the gradient of weight_rows")),
+        names=("y", "the gradient of x_tokens", "the gradient of weight_rows"), points=2),
 }
 
 
@@ -149,5 +149,5 @@ EXERCISES["vocab_parallel_embedding"] = Exercise(
         _vocabulary(seed, vocab, h, tokens)[1]),
     rules=(Only("all_reduce", text="communicate with all_reduce only"),
            CallSizes("all_reduce", lambda n, seed, vocab, h, tokens: [2 * tokens * h],
-                     text="one all_reduce of the batch's embeddings")))
+                     text="one all_reduce of the batch's embeddings")), points=3)
 

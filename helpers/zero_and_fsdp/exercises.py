@@ -137,7 +137,7 @@ EXERCISES = {
                CallSizes("reduce_scatter_single", lambda n, seed, shape, batch: [
                    _padded(math.prod(shape), n) // n],
                    text="one reduce_scatter_single of the weight's gradient into your piece")),
-        names=("y", "grad_x", "your piece of the weight's gradient")),
+        names=("y", "grad_x", "your piece of the weight's gradient"), points=2),
 }
 
 
@@ -170,4 +170,4 @@ EXERCISES["clip_sharded_gradients"] = Exercise(
         [shard_of(grad, rank, n) for grad in _clip_case(seed, max_norm)[0]], max_norm),
     rules=(Only("all_reduce", text="communicate with all_reduce only"),
            CallSizes("all_reduce", lambda n, seed, max_norm: [1],
-                     text="one all_reduce of a single number")))
+                     text="one all_reduce of a single number")), points=3)
