@@ -1,0 +1,7 @@
+"""`python -m helpers.grading DIR`: grade a class's handed-in notebooks (helpers/grading)."""
+
+import sys
+
+from helpers.grading import main
+
+sys.exit(main())
