@@ -57,9 +57,26 @@ def answer(cells, exercise: str) -> Answer | None:
     if not found:
         return None
     index, source, _ = found[-1]
-    needed = _needed(cells, index, _free_names(source))
-    return Answer(exercise, tuple((i, s) for i, s, _ in cells if i in needed) + ((index, source),),
-                  _started(source, exercise))
+    statements = [(number, statement, text) for number, text, _ in cells if number < index
+                  for statement in _statements(text)]
+    needed = _needed(statements, len(statements), _free_names(source))
+    kept = {}
+    for position in sorted(needed):
+        number, statement, text = statements[position]
+        kept.setdefault(number, [text, set()])[1].update(
+            range(statement.lineno, statement.end_lineno + 1))
+    needs = tuple((number, "\n".join(line if at in lines else "" for at, line in
+                                     enumerate(text.split("\n"), 1)))
+                  for number, (text, lines) in sorted(kept.items()))
+    return Answer(exercise, needs + ((index, source),), _started(source, exercise))
+
+
+def _statements(text: str) -> list:
+    """A cell's top-level statements (none where it is not valid Python)."""
+    try:
+        return [statement for statement in ast.parse(text).body]
+    except SyntaxError:
+        return []
 
 
 def _runnable(source: str) -> str:
@@ -85,35 +102,37 @@ def _free_names(source: str) -> set:
         for symbol in scope.get_symbols():
             if symbol.is_referenced() and (scope is table or symbol.is_global()):
                 used.add(symbol.get_name())
-    return used - bound - set(dir(builtins))
+    return used - bound - set(dir(builtins)) - {"check"}  # the grader's own check
 
 
-def _bound_names(source: str) -> set:
-    try:
-        table = symtable.symtable(source, "<cell>", "exec")
-    except SyntaxError:
-        return set()
-    return {symbol.get_name() for symbol in table.get_symbols()
-            if symbol.is_assigned() or symbol.is_imported() or symbol.is_namespace()}
+def _bound_names(statement) -> set:
+    """The names a top-level statement binds: an import's, an assignment's, a def's or class's."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {statement.name}
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in statement.names}
+    return {node.id for node in ast.walk(statement)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
 
 
-def _needed(cells, before: int, names: set) -> set:
-    """The indices of the cells above `before` that bind `names`, and those their own names need:
-    for each name, the last cell above that binds it."""
-    needed, wanted = set(), [(before, name) for name in names]
-    seen = set()
+def _needed(statements, before: int, names: set) -> set:
+    """The positions of the statements (of the cells above the answer, in order) that bind
+    `names`, and of those their own names need: for each name, the last statement above that
+    binds it. A cell is taken statement by statement: an earlier answer's mistakes, or a slow
+    demonstration beside an import, are not the later answer's."""
+    needed, wanted, seen = set(), [(before, name) for name in names], set()
     while wanted:
         limit, name = wanted.pop()
         if (limit, name) in seen:
             continue
         seen.add((limit, name))
-        binders = [(index, source) for index, source, _ in cells
-                   if index < limit and name in _bound_names(source)]
-        if binders:
-            index, source = binders[-1]
-            if index not in needed:
-                needed.add(index)
-                wanted += [(index, other) for other in _free_names(source)]
+        binders = [position for position in range(limit)
+                   if name in _bound_names(statements[position][1])]
+        if binders and binders[-1] not in needed:
+            position = binders[-1]
+            needed.add(position)
+            wanted += [(position, other) for other in
+                       _free_names(ast.unparse(statements[position][1]))]
     return needed
 
 

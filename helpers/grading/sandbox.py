@@ -256,12 +256,18 @@ def _run(exercise, cells) -> dict:
 
     real_check = exercises.check
     exercises.check = recording_check  # `from helpers.exercises import check` in a cell gets it
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__,
+                 "check": recording_check}  # as the lesson's earlier cells would have it
     for index, source in cells:
         filename = f"<cell {index}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         try:
-            exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - the sandbox's job
+            code = compile(source, filename, "exec")
+        except SyntaxError as error:
+            return {"status": "error", "message": f"Cell {index} is not valid Python: "
+                    f"{error.msg}, at line {error.lineno}:\n    {(error.text or '').strip()}"}
+        try:
+            exec(code, namespace)  # noqa: S102 - the sandbox's job
         except BaseException as error:  # noqa: BLE001 - whatever the learner's cell raises
             frames = [frame for frame in traceback.extract_tb(error.__traceback__)
                       if frame.filename.startswith("<cell")]

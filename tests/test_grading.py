@@ -1,0 +1,285 @@
+"""The autograder (helpers/grading): a class of hand-made submissions, honest and hostile, graded
+from a student release's notebooks; every row of grades.csv is what was planted, the hostile
+submissions change no other student's grade, and nothing of theirs is left behind, running or on
+disk.
+
+The right answers are the reference solutions' own source (so that a student release withholds
+these tests); the wrong, hanging and hostile ones are written here."""
+
+import csv
+import inspect
+import os
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+from helpers import grading, release
+from helpers.exercises import exercises, solution
+from helpers.grading import cells as notebook_cells
+from helpers.grading.sandbox import Limits
+
+LESSON = "01_processes_and_groups"
+OTHER = "03_collectives"
+MARK = "31337"  # in the command line of the processes a hostile answer leaves running
+COURSE = pathlib.Path(__file__).resolve().parent.parent
+# A hang the checker cannot see (the cell's top level, before any rank) ends at this limit; a
+# rank's hang at the exercise's own (10 s).
+LIMITS = Limits(seconds=30)
+
+
+def right(name):
+    """A right answer to `name`: the reference solutions' module (the solution and the helpers it
+    calls), and the stub's name for the solution."""
+    source = inspect.getsource(inspect.getmodule(solution(name)))
+    return f"{source}\nmy_{name} = {name}"
+
+
+def answered(notebook, answers):
+    """A copy of a notebook with some exercises answered: name -> the code that takes the place
+    of the stub (`def my_name(...):` and its `raise NotImplementedError`); the rest of the
+    cell, its imports and its check() call, as handed out."""
+    notebook = nbformat.from_dict(notebook)
+    for cell in notebook.cells:
+        name = cell.get("metadata", {}).get("exercise")
+        if name in answers:
+            stub = re.compile(rf"^def my_{name}\(.*?raise NotImplementedError\n", re.M | re.S)
+            assert stub.search(cell.source), cell.source
+            cell.source = stub.sub(lambda _, code=answers[name]: code + "\n", cell.source)
+    return notebook
+
+
+# What each hostile answer does, and the exercise it stands in for. Each also names the path it
+# attacks through the placeholders FOLDER (the submissions) and COURSE.
+HOSTILE = {
+    "hangs": {"even_odd_sum": "while True:\n    pass"},
+    "forks_forever": {"even_odd_sum": f"""
+import os, subprocess, time
+subprocess.Popen(["sleep", "{MARK}"], start_new_session=True)
+if os.fork() == 0:
+    os.execvp("sleep", ["sleep", "{MARK}.5"])
+""" + "{right}"},
+    "prints_megabytes": {"even_odd_sum": "print('x' * 50_000_000)\n{right}"},
+    "allocates_20_gb": {"even_odd_sum": "import torch\nbig = torch.ones(20 * 2**30, "
+                                        "dtype=torch.uint8)\n{right}"},
+    "reads_solutions": {
+        "even_odd_sum": "raise RuntimeError('stolen: ' + open(COURSE + "
+                        "'/helpers/processes_and_groups/solutions.py').read())",
+        "column_sum": "import socket\nraise RuntimeError(f'interfaces: {socket.if_nameindex()}')"},
+    "reads_and_writes_others": {
+        "even_odd_sum": "raise RuntimeError('stolen: ' + open(FOLDER + "
+                        f"'/alice/{LESSON}.ipynb').read())",
+        "column_sum": "open(FOLDER + '/grades.csv', 'a').write('mallory,x,even_odd_sum,9,1,"
+                      "passed,0,\\n')",
+        "grid_sums": "open(COURSE + '/planted-by-a-student', 'w').write('here')"},
+    "kills_its_parent": {"even_odd_sum": "import os, signal\nos.kill(os.getppid(), "
+                                         "signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)\n"
+                                         "os.kill(-1, signal.SIGKILL)"},
+}
+
+
+@pytest.fixture(scope="module")
+def course_for_students(tmp_path_factory):
+    """The notebooks a class is handed: a student release's."""
+    destination = tmp_path_factory.mktemp("release") / "course"
+    release.build(destination)
+    return {stem: nbformat.read(destination / "notebooks" / f"{stem}.ipynb", as_version=4)
+            for stem in (LESSON, OTHER)}
+
+
+def hand_in(folder, student, notebook, stem=LESSON):
+    (folder / student).mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, folder / student / f"{stem}.ipynb")
+
+
+def honest_class(folder, notebooks):
+    lesson = notebooks[LESSON]
+    hand_in(folder, "alice", answered(lesson, {name: right(name) for name in
+                                               ("even_odd_sum", "column_sum", "grid_sums")}))
+    hand_in(folder, "bob", answered(lesson, {"even_odd_sum": "def my_even_odd_sum(rank, "
+                                             "world_size):\n    return rank",
+                                             "grid_sums": right("grid_sums")}))
+    hand_in(folder, "carol", answered(lesson, {"column_sum": "def helper(rows):\n"
+                                               "    return 1 // (rows - rows)\n\n"
+                                               "def my_column_sum(rank, world_size, rows):\n"
+                                               "    return helper(rows)"}))
+    hand_in(folder, "dave", answered(lesson, {"even_odd_sum": "value = 1 / 0"}))
+
+
+HONEST = {  # (student, exercise) -> status, and the words its message holds
+    ("alice", "even_odd_sum"): ("passed", "[PASSED] even_odd_sum"),
+    ("alice", "column_sum"): ("passed", "Every result was right"),
+    ("alice", "grid_sums"): ("passed", "Every result was right"),
+    ("bob", "even_odd_sum"): ("failed", "On 4 ranks, rank 0: expected 2, got 0"),
+    ("bob", "column_sum"): ("missing", "Not started"),
+    ("bob", "grid_sums"): ("passed", "Every result was right"),
+    ("carol", "even_odd_sum"): ("missing", "Not started"),
+    ("carol", "column_sum"): ("failed", "ZeroDivisionError"),
+    ("carol", "grid_sums"): ("missing", "Not started"),
+    ("dave", "even_odd_sum"): ("error", 'ZeroDivisionError: division by zero\nTraceback (most '
+                               'recent call last):\n  File "<cell 36>", line 4, in <module>'),
+    ("dave", "column_sum"): ("missing", "Not started"),
+    ("dave", "grid_sums"): ("missing", "Not started"),
+}
+
+
+def grades(folder):
+    with open(folder / "grades.csv", newline="") as file:
+        return {(row["student"], row["exercise"]): row for row in csv.DictReader(file)}
+
+
+def leftovers():
+    """Processes on this machine whose command line holds MARK."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and MARK in pathlib.Path(f"/proc/{entry}/cmdline").read_text():
+                found.append(entry)
+        except OSError:
+            continue
+    return found
+
+
+def test_one_sandbox_passes_a_right_answer_and_shows_nothing_of_the_machine(course_for_students,
+                                                                           tmp_path):
+    """make test's look at the sandbox (the soak tier grades whole classes): one notebook, three
+    answers in it: a right one, one that reads the solutions and the network interfaces, one
+    that writes into the course."""
+    hand_in(tmp_path, "eve", answered(course_for_students[LESSON], {
+        "even_odd_sum": right("even_odd_sum"),
+        "column_sum": ("import socket\ninterfaces = socket.if_nameindex()\nstolen = open(COURSE "
+                       "+ '/helpers/processes_and_groups/solutions.py').read()\nraise "
+                       "RuntimeError(f'interfaces: {interfaces}, solutions: {stolen!r}')"
+                       ).replace("COURSE", repr(str(COURSE))),
+        "grid_sums": f"open({str(COURSE)!r} + '/planted-by-a-student', 'w')"}))
+    grading.grade(tmp_path, limits=LIMITS, say=lambda line: None)
+    got = grades(tmp_path)
+    assert got[("eve", "even_odd_sum")]["status"] == "passed"
+    assert "interfaces: [(1, 'lo')], solutions: ''" in got[("eve", "column_sum")]["message"]
+    assert "Read-only file system" in got[("eve", "grid_sums")]["message"]
+    assert not (COURSE / "planted-by-a-student").exists()
+
+
+@pytest.mark.soak  # a minute: four sandboxes, each starting ranks for every case
+def test_an_honest_class_gets_what_was_planted(course_for_students, tmp_path):
+    honest_class(tmp_path, course_for_students)
+    grading.grade(tmp_path, limits=LIMITS, say=lambda line: None)
+    got = grades(tmp_path)
+    assert set(got) == set(HONEST)
+    for key, (status, says) in HONEST.items():
+        row = got[key]
+        assert row["status"] == status, (key, row)
+        assert says in row["message"], (key, row["message"])
+        points = exercises()[key[1]].points
+        assert (int(row["points"]), int(row["max_points"])) == (
+            points if status == "passed" else 0, points), row
+    book = list(csv.reader((tmp_path / "gradebook.csv").read_text().splitlines()))
+    assert book[0] == ["student", LESSON, "total", "max_points"]
+    assert book[1] == ["alice", "4", "4", "4"] and book[2] == ["bob", "2", "2", "4"]
+    feedback = (tmp_path / "feedback" / "bob.md").read_text()
+    assert "### even_odd_sum: failed, 0 of 1" in feedback
+    assert "[NOT YET] even_odd_sum\nOn 4 ranks, rank 0: expected 2, got 0" in feedback
+
+
+@pytest.mark.soak  # about 3 minutes: fourteen sandboxes, two hangs to their limits
+def test_hostile_submissions_cost_only_their_own_points(course_for_students, tmp_path):
+    honest_alone = tmp_path / "honest"
+    honest_class(honest_alone, course_for_students)
+    grading.grade(honest_alone, limits=LIMITS, say=lambda line: None)
+
+    folder = tmp_path / "class"
+    honest_class(folder, course_for_students)
+    lesson = course_for_students[LESSON]
+    for student, answers in HOSTILE.items():
+        hand_in(folder, student, answered(lesson, {
+            name: code.replace("{right}", right(name))
+                      .replace("FOLDER", repr(str(folder))).replace("COURSE", repr(str(COURSE)))
+            for name, code in answers.items()}))
+    (folder / "oscar").mkdir()
+    (folder / "oscar" / f"{LESSON}.ipynb").write_bytes(os.urandom(2000))
+    hand_in(folder, "peggy", course_for_students[OTHER])  # another lesson's, under this name
+    (folder / "trent").mkdir()  # nothing handed in
+    (folder / "victor").mkdir()
+    (folder / "victor" / "homework.ipynb").write_text("{}")
+    before = sorted(path.name for path in COURSE.iterdir())
+
+    problems = grading.grade(folder, limits=LIMITS, say=lambda line: None)
+
+    got = grades(folder)
+    solution_text = (COURSE / "helpers/processes_and_groups/solutions.py").read_text()
+    alice_notebook = (folder / "alice" / f"{LESSON}.ipynb").read_text()
+    for row in got.values():  # nothing stolen reached a message
+        assert "def even_odd_sum" not in row["message"] and solution_text not in row["message"]
+        assert '"cells"' not in row["message"] and alice_notebook[:200] not in row["message"]
+    honest = grades(honest_alone)
+    for key in HONEST:
+        assert {k: got[key][k] for k in ("status", "points", "message")} == {
+            k: honest[key][k] for k in ("status", "points", "message")}, key
+    planted = {
+        ("hangs", "even_odd_sum"): ("timeout", "did not finish within 30 s"),
+        ("forks_forever", "even_odd_sum"): ("passed", "Every result was right"),
+        ("prints_megabytes", "even_odd_sum"): ("passed", "Every result was right"),
+        ("allocates_20_gb", "even_odd_sum"): ("error", "can't allocate memory"),
+        ("reads_solutions", "even_odd_sum"): ("error", "RuntimeError: stolen: \n"),
+        ("reads_solutions", "column_sum"): ("error", "interfaces: [(1, 'lo')]"),
+        ("reads_and_writes_others", "even_odd_sum"): ("error", "FileNotFoundError"),
+        ("reads_and_writes_others", "column_sum"): ("error", "Read-only file system"),
+        ("reads_and_writes_others", "grid_sums"): ("error", "Read-only file system"),
+        ("kills_its_parent", "even_odd_sum"): ("error", "ended before its check said"),
+    }
+    for student in HOSTILE:
+        for name in ("even_odd_sum", "column_sum", "grid_sums"):
+            status, says = planted.get((student, name), ("missing", "Not started"))
+            assert got[(student, name)]["status"] == status, (student, name, got[(student, name)])
+            assert says in got[(student, name)]["message"], got[(student, name)]["message"]
+    for name in ("even_odd_sum", "column_sum", "grid_sums"):
+        assert got[("oscar", name)]["status"] == "missing"
+        assert "could not be read as a notebook" in got[("oscar", name)]["message"]
+        assert got[("peggy", name)]["status"] == "missing"
+        assert "holds the exercises of collectives" in got[("peggy", name)]["message"]
+    assert {key[0] for key in got} == {*dict.fromkeys(s for s, _ in HONEST), *HOSTILE,
+                                       "oscar", "peggy"}
+    assert "trent/: handed in no notebook" in problems
+    assert any(problem.startswith("victor/homework.ipynb: no lesson's") for problem in problems)
+    assert not leftovers()
+    assert sorted(path.name for path in COURSE.iterdir()) == before
+    assert "mallory" not in (folder / "grades.csv").read_text()
+
+
+def test_a_run_stopped_goes_on_and_one_student_is_graded_anew(course_for_students, tmp_path):
+    """Only what grades.csv lacks is graded; --again grades a student anew (untouched stubs and
+    unreadable notebooks: no sandbox needed, so the test is quick)."""
+    hand_in(tmp_path, "amy", course_for_students[LESSON])
+    hand_in(tmp_path, "ben", course_for_students[LESSON])
+    said = []
+    grading.grade(tmp_path, say=said.append)
+    assert len([line for line in said if line.startswith("[")]) == 6
+    rows = (tmp_path / "grades.csv").read_text().splitlines()
+    (tmp_path / "grades.csv").write_text("\n".join(rows[:3]) + "\n")  # stopped after two rows
+    said.clear()
+    grading.grade(tmp_path, say=said.append)
+    assert [line.split(":")[0] for line in said if line.startswith("[")] == [
+        "[1/4] amy 01 grid_sums", "[2/4] ben 01 even_odd_sum", "[3/4] ben 01 column_sum",
+        "[4/4] ben 01 grid_sums"]
+    said.clear()
+    grading.grade(tmp_path, again={"amy"}, say=said.append)
+    assert len([line for line in said if line.startswith("[")]) == 3
+    assert len(grades(tmp_path)) == 6
+
+
+def test_an_answer_takes_the_statements_it_needs_and_no_other():
+    cells = [(0, "import torch\nimport torch.distributed as dist", {}),
+             (1, "SIZE = 4\nunused = torch.zeros(SIZE)\nslow = sum(range(10**9))", {}),
+             (2, "def helper(x):\n    return x * SIZE\n\nraise ValueError('a wrong answer')\n"
+                 "check('e', helper)", {"exercise": "e"}),
+             (3, "def my_f(rank, world_size):\n    return helper(rank) + len(dist.__name__)\n"
+                 "\ncheck('f', my_f)", {"exercise": "f"})]
+    found = notebook_cells.answer(cells, "f")
+    assert found.cells == ((0, "\nimport torch.distributed as dist"), (1, "SIZE = 4\n\n"),
+                           (2, "def helper(x):\n    return x * SIZE\n\n\n"), cells[3][:2])
+    assert found.started
+    stub = [(5, "def my_f(rank, world_size):\n    # Your code here.\n    raise "
+                "NotImplementedError\n\n\ncheck('f', my_f)", {"exercise": "f"})]
+    assert not notebook_cells.answer(stub, "f").started
+    assert notebook_cells.answer(cells, "g") is None
