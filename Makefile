@@ -171,6 +171,7 @@ notebooks: setup
 	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 $(NOTEBOOKS)
 	$(PY) -m helpers.slides $(NOTEBOOKS)
+	$(PY) -m helpers.syllabus --write
 
 # Every lesson's key figure, for the README's gallery (the same bytes on every run).
 figures: setup

@@ -224,8 +224,10 @@ def test_hostile_submissions_cost_only_their_own_points(course_for_students, tmp
         ("reads_solutions", "even_odd_sum"): ("error", "RuntimeError: stolen: \n"),
         ("reads_solutions", "column_sum"): ("error", "interfaces: [(1, 'lo')]"),
         ("reads_and_writes_others", "even_odd_sum"): ("error", "FileNotFoundError"),
-        ("reads_and_writes_others", "column_sum"): ("error", "Read-only file system"),
-        ("reads_and_writes_others", "grid_sums"): ("error", "Read-only file system"),
+        # what a write meets: a read-only file system, or under /tmp (where pytest puts the
+        # class, and where CI may clone the course) a fresh one without the path
+        ("reads_and_writes_others", "column_sum"): ("error", "Error: [Errno"),
+        ("reads_and_writes_others", "grid_sums"): ("error", "Error: [Errno"),
         ("kills_its_parent", "even_odd_sum"): ("error", "ended before its check said"),
     }
     for student in HOSTILE:

@@ -14,6 +14,8 @@ solutions.
 """
 
 NOTEBOOK = "13_at_scale.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("size a real model's run on fake ranks: each layout's memory per GPU and time per step")
 # Its notebook is one of a tier's longest files, and no rounding can change its outputs: a
 # tier starts it first, and the other-CPU tier leaves it out (helpers/lessons.py).
 SLOW = True

@@ -14,6 +14,8 @@ reference solutions.
 """
 
 NOTEBOOK = "14_capstone.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("write one training loop that combines every technique, and make it survive a kill")
 # Its notebook, a minute of training (two under make test's load), runs in a tier of its own
 # (make long), so that make test keeps its 8 minutes. It is left out of the other-CPU tier too:
 # its rounding-dependent outputs are verdicts with wide margins (half a bit per byte below the

@@ -14,6 +14,9 @@ kernel. exercises: the checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "12_checkpoints_and_failures.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("checkpoint and resume a sharded run exactly, reshard it on load, and find the rank that "
+          "failed")
 # Its notebook is one of a tier's longest files, and no rounding can change its outputs: a
 # tier starts it first, and the other-CPU tier leaves it out (helpers/lessons.py).
 SLOW = True

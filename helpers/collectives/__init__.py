@@ -5,3 +5,5 @@ checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "03_collectives.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("choose the collective a pattern needs, and compute on sharded data with it")

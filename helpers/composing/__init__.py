@@ -11,6 +11,8 @@ exercises: the checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "10_composing.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("compose data, tensor, pipeline, expert and context parallelism on one device mesh")
 
 # The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
 # (tests/test_structure.py checks the imports, name by name):

@@ -9,6 +9,9 @@ reference solutions.
 """
 
 NOTEBOOK = "06_data_parallelism.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("train with data parallelism equal to one process, by hand and with DDP, and count its "
+          "bytes")
 
 # The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
 # (tests/test_structure.py checks the imports, name by name):

@@ -11,6 +11,9 @@ solutions.
 """
 
 NOTEBOOK = "11_fitting_a_model.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("fit a model in memory with recomputation, mixed precision and accumulation, and project "
+          "it to a GPU")
 
 # The names this lesson takes from earlier lessons, each a strategy or a formula it builds on
 # (tests/test_structure.py checks the imports, name by name):

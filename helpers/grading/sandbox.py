@@ -144,7 +144,7 @@ def _kill(process):
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
 SYS_MOUNT_SETATTR = 442  # the same number on x86_64 and arm64 (the generic table)
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
-MS_BIND, MS_RDONLY, MS_NOSUID, MS_NODEV = 4096, 1, 2, 4
+MS_BIND, MS_REC, MS_RDONLY, MS_NOSUID, MS_NODEV = 4096, 16384, 1, 2, 4
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -185,11 +185,12 @@ def _isolate(job):
     _loopback_up()
     with open("/proc/self/uid_map") as uid_map:
         really_root = uid_map.read().split()[:2] == ["0", "0"]
+    needed = [sys.base_prefix, sys.prefix, job["course"]]  # Python and the course
     _read_only("/")
     for path, size in (("/tmp", "1g"), ("/dev/shm", "1g")):
-        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
+        _cover(path, "tmpfs", f"size={size},mode=1777", keep=needed)
     if really_root:
-        _open_the_way([sys.base_prefix, sys.prefix, job["course"]])
+        _open_the_way(needed)
     _read_only("/proc", recursive=False, clear=True)  # the nested user namespace's maps
     for path in job["hide"]:
         if os.path.isdir(path):
@@ -203,6 +204,22 @@ def _isolate(job):
     return really_root
 
 
+def _cover(folder, kind, options, keep):
+    """Mount a fresh `kind` file system on `folder`, and bind back, read-only, the paths of `keep`
+    that lie inside it (a course cloned under /tmp), each by a handle opened before the cover hid
+    it."""
+    inside = [path for path in keep if os.path.commonpath([path, folder]) == folder != path]
+    inside = [path for path in inside  # a path inside another comes back with it
+              if not any(os.path.commonpath([path, other]) == other != path for other in inside)]
+    handles = {path: os.open(path, os.O_PATH) for path in inside}
+    _mount(kind, folder, kind, MS_NOSUID | MS_NODEV, options)
+    for path, handle in handles.items():
+        os.makedirs(path, exist_ok=True)
+        _mount(f"/proc/self/fd/{handle}", path, None, MS_BIND | MS_REC)
+        _read_only(path)
+        os.close(handle)
+
+
 def _open_the_way(paths):
     """Where a folder that others may not enter (root's home, 0700) lies on the way to a path the
     sandbox needs as `nobody` (Python, the course), cover it with an empty folder they may enter,
@@ -210,29 +227,19 @@ def _open_the_way(paths):
     way. What else the closed folder holds stays out of sight."""
     import pathlib
 
-    stage = pathlib.Path("/tmp/.stage")
     while True:
         closed = {}
         for path in map(pathlib.Path, paths):
             for ancestor in list(reversed(path.parents))[1:]:
                 if not os.stat(ancestor).st_mode & 0o001:
-                    step = path.relative_to(ancestor).parts[0]
-                    closed.setdefault(ancestor, set()).add(step)
+                    closed.setdefault(str(ancestor), set()).add(
+                        str(ancestor / path.relative_to(ancestor).parts[0]))
                     break
         if not closed:
             break
         for ancestor, steps in closed.items():
-            stage.mkdir(exist_ok=True)
-            for step in steps:  # each step, held aside before the cover hides it
-                os.makedirs(stage / step)
-                _mount(str(ancestor / step), str(stage / step), None, MS_BIND)
-            _mount("tmpfs", str(ancestor), "tmpfs", MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
-            for step in steps:
-                os.makedirs(ancestor / step)
-                _mount(str(stage / step), str(ancestor / step), None, MS_BIND)
-                _sys(_libc.umount2(str(stage / step).encode(), 0), "umount")
-                os.rmdir(stage / step)
-            _read_only(str(ancestor))
+            _cover(ancestor, "tmpfs", "size=4k,mode=0755", keep=steps)
+            _read_only(ancestor)
     for path in paths:
         if not os.stat(path).st_mode & 0o005 == 0o005:
             raise OSError(13, f"{path} is not open to other users (o+rx), and the sandbox runs "

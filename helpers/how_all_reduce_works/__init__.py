@@ -7,3 +7,5 @@ solutions.
 """
 
 NOTEBOOK = "05_how_all_reduce_works.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("run ring and tree all-reduce step by step, and say which wins at which size and scale")

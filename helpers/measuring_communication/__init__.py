@@ -7,6 +7,9 @@ solutions: their reference solutions.
 """
 
 NOTEBOOK = "04_measuring_communication.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("time a collective as its slowest rank, tell algbw from busbw, and fit the alpha-beta "
+          "model")
 # Its notebook is one of a tier's longest files, and no rounding can change its outputs: a
 # tier starts it first, and the other-CPU tier leaves it out (helpers/lessons.py).
 SLOW = True

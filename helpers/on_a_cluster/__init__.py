@@ -12,6 +12,8 @@ solutions: their reference solutions.
 """
 
 NOTEBOOK = "15_on_a_cluster.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("run that loop under Slurm on several nodes, requeued when preempted")
 # Its notebook and its tests run against a real Slurm cluster, in a tier of their own
 # (make cluster-tests; helpers/lessons.py).
 TIER = "cluster"

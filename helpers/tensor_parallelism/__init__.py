@@ -11,3 +11,6 @@ solutions.
 """
 
 NOTEBOOK = "08_tensor_parallelism.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("split a transformer's MLP, attention and sequence over ranks as Megatron does, equal to "
+          "one process")

@@ -10,6 +10,9 @@ solutions: the checked exercises.
 """
 
 NOTEBOOK = "07_zero_and_fsdp.ipynb"
+# After the lesson, a student can (docs/syllabus.md):
+CAN_DO = ("shard optimizer state, gradients and weights (ZeRO 1 to 3, FSDP2) and predict each "
+          "rank's memory to the byte")
 # Its notebook is one of a tier's longest files: a tier starts it first (helpers/lessons.py).
 SLOW = True
 

@@ -1,0 +1,190 @@
+"""The syllabus (docs/syllabus.md), computed from the lessons' committed runs.
+
+    python -m helpers.syllabus            # print it
+    python -m helpers.syllabus --write    # write docs/syllabus.md (make notebooks does)
+
+A lesson's talk time is a model built on measurements. Its prose is timed at WORDS_PER_MINUTE.
+Each code cell gets SECONDS_PER_CELL to show and explain. Each cell's run time is the one its
+committed notebook records: nbconvert's run, from the kernel taking the cell to its reply
+(`helpers.lessons.notebook_seconds`). A lesson whose talk exceeds TALK_PER_SLOT minutes is split
+into two parts, at the section (`## `) boundary that halves it best. The ten-week plan gives each
+part one 80-minute slot, and the rest of the slot goes to questions and an exercise done in class.
+An exercise's hours are a model too, by its points (HOURS_PER_POINT): no cohort's times exist yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+import nbformat
+
+from helpers.exercises import exercises
+from helpers.lessons import lessons
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORDS_PER_MINUTE = 130  # a lecturer's unhurried rate
+SECONDS_PER_CELL = 20  # to show a code cell and say what it does, before it runs
+SLOT_MINUTES, SLOTS_PER_WEEK, WEEKS = 80, 2, 10
+TALK_PER_SLOT = 50  # of a slot's 80 minutes; the other 30 for questions and an exercise
+HOURS_PER_POINT = {1: 0.5, 2: 1.0, 3: 2.0}  # the model of an exercise's hours outside class
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    words: int
+    cells: int
+    run_seconds: float
+
+    @property
+    def minutes(self) -> float:
+        return (self.words / WORDS_PER_MINUTE + (self.cells * SECONDS_PER_CELL
+                                                 + self.run_seconds) / 60)
+
+
+def sections(lesson) -> list:
+    """A lesson's sections, in order: the opening, then one per `## ` heading."""
+    notebook = nbformat.read(ROOT / "notebooks" / f"{lesson.stem}.ipynb", as_version=4)
+    found = [["Opening", 0, 0, 0.0]]
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            heading = re.match(r"^## (.*)", cell.source)
+            if heading:
+                found.append([heading.group(1).strip(), 0, 0, 0.0])
+            found[-1][1] += len(re.findall(r"[\w’'-]+", cell.source))
+        elif cell.cell_type == "code":
+            found[-1][2] += 1
+            found[-1][3] += _run_seconds(cell)
+    return [Section(*one) for one in found]
+
+
+def _run_seconds(cell) -> float:
+    times = cell.get("metadata", {}).get("execution", {})
+    if {"iopub.execute_input", "shell.execute_reply"} <= times.keys():
+        return (datetime.fromisoformat(times["shell.execute_reply"])
+                - datetime.fromisoformat(times["iopub.execute_input"])).total_seconds()
+    return 0.0
+
+
+def parts(lesson) -> list:
+    """The lesson as one part, or two split at the section boundary that halves it best."""
+    found = sections(lesson)
+    total = sum(section.minutes for section in found)
+    if total <= TALK_PER_SLOT:
+        return [found]
+    cut = min(range(1, len(found)), key=lambda at: abs(
+        sum(section.minutes for section in found[:at]) - total / 2))
+    return [found[:cut], found[cut:]]
+
+
+def plan() -> list:
+    """(week, slot, lesson, part's name, its sections, talk minutes) for every part, in course
+    order, one part a slot."""
+    rows, slot = [], 0
+    for lesson in lessons():
+        pieces = parts(lesson)
+        for number, piece in enumerate(pieces, 1):
+            name = lesson.stem[:2] + (f", part {number} of {len(pieces)}" if len(pieces) > 1
+                                      else "")
+            rows.append((slot // SLOTS_PER_WEEK + 1, "AB"[slot % SLOTS_PER_WEEK], lesson, name,
+                         piece, sum(section.minutes for section in piece)))
+            slot += 1
+    return rows
+
+
+def _title(lesson) -> str:
+    notebook = nbformat.read(ROOT / "notebooks" / f"{lesson.stem}.ipynb", as_version=4)
+    return notebook.cells[0].source.split("\n")[0].lstrip("# ").split(" — ", 1)[-1]
+
+
+def render() -> str:
+    every = exercises()
+    rows = plan()
+    slots = WEEKS * SLOTS_PER_WEEK
+    lines = [
+        "# Syllabus: ten weeks, two 80-minute slots a week",
+        "",
+        "Made by `python -m helpers.syllabus --write` from the lessons' committed runs (`make "
+        "notebooks` remakes it); `tests/test_syllabus.py` checks that this page is what they give.",
+        "",
+        "**How the minutes are made (a model on measurements).** Each section's talk is its "
+        f"prose at {WORDS_PER_MINUTE} words a minute, plus {SECONDS_PER_CELL} s to show each code "
+        "cell, plus the time each cell ran in the notebook's committed run (nbconvert's, on the "
+        "machine that last ran it: 2 cores). A lesson over "
+        f"{TALK_PER_SLOT} minutes of talk is split in two where its sections best halve it; the "
+        f"other {SLOT_MINUTES - TALK_PER_SLOT} minutes of a slot are for questions and an exercise "
+        "worked in class.",
+        "",
+        "**Prerequisites.** Python; PyTorch's basics (tensors, `nn.Module`, autograd, an "
+        "optimizer's step); a shell. No GPU: every lesson runs on a laptop's CPU. Each lesson "
+        "builds on the ones before it.",
+        "",
+        "## The plan",
+        "",
+        "| week | slot | lesson | sections | talk (min) |",
+        "|---|---|---|---|---|",
+    ]
+    for week, slot, lesson, name, piece, minutes in rows:
+        titles = "; ".join(section.title for section in piece)
+        lines.append(f"| {week} | {slot} | {name}: {_title(lesson)} | {titles} | {minutes:.0f} |")
+    spare = slots - len(rows)
+    if spare > 0:
+        lines.append(f"| {WEEKS} | {'AB'[(len(rows)) % 2]}{'' if spare == 1 else ' +'} | "
+                     f"open ({spare} slot{'s' if spare > 1 else ''}) | the capstone's design "
+                     "exercises worked in class, and review | |")
+    total = sum(minutes for *_, minutes in rows)
+    lines += ["", f"{len(rows)} parts in {slots} slots; {total:.0f} minutes of talk in all, "
+              f"{total / len(rows):.0f} a part on average.", "",
+              "## Each lesson", "",
+              "| lesson | talk (min) | prose (words) | code cells | cells' run (s) | after it, a "
+              "student can |", "|---|---|---|---|---|---|"]
+    for lesson in lessons():
+        found = sections(lesson)
+        can_do = importlib.import_module(lesson.package).CAN_DO
+        lines.append(f"| {lesson.stem[:2]} {_title(lesson)} | "
+                     f"{sum(section.minutes for section in found):.0f} | "
+                     f"{sum(section.words for section in found)} | "
+                     f"{sum(section.cells for section in found)} | "
+                     f"{sum(section.run_seconds for section in found):.0f} | {can_do} |")
+    model = ", ".join(f"{hours:g} h for {points} point{'s' if points > 1 else ''}"
+                      for points, hours in HOURS_PER_POINT.items())
+    lines += ["", "## Exercises", "",
+              "Each lesson ends with checked exercises (`check(name, your_function)`); "
+              "`make grade` grades them for a class (docs/teaching.md). Set the design exercises "
+              "(their statement says what must hold, not which calls to make) and the harder ones "
+              "as homework; work a 1-point exercise in class. **Hours are a model, not a "
+              f"measurement**: {model}; no class has been timed yet.", "",
+              "| lesson | exercise | kind | points | hours (model) | set as |",
+              "|---|---|---|---|---|---|"]
+    for lesson in lessons():
+        for name, exercise in every.items():
+            if exercise.lesson != lesson.package:
+                continue
+            kind = {3: "design", 2: "harder", 1: "core"}[exercise.points]
+            lines.append(f"| {lesson.stem[:2]} | `{name}` | {kind} | {exercise.points} | "
+                         f"{HOURS_PER_POINT[exercise.points]:g} | "
+                         f"{'homework' if exercise.points > 1 else 'in class'} |")
+    homework = sum(HOURS_PER_POINT[exercise.points] for exercise in every.values()
+                   if exercise.points > 1)
+    lines += ["", f"Homework in all: {homework:g} hours over {WEEKS} weeks (model).", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m helpers.syllabus", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="write docs/syllabus.md")
+    text = render()
+    if parser.parse_args(argv).write:
+        (ROOT / "docs" / "syllabus.md").write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The syllabus (helpers/syllabus.py, docs/syllabus.md): the page is what the lessons' committed
+runs give, its minutes add up to the lessons' own, recounted here cell by cell, and its plan
+fits ten weeks of two slots."""
+
+import json
+import pathlib
+import re
+from datetime import datetime
+
+from helpers import syllabus
+from helpers.lessons import lessons
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_the_committed_syllabus_is_what_the_committed_runs_give():
+    """After `make notebooks` (which writes it) or a changed lesson, `python -m helpers.syllabus
+    --write` remakes it."""
+    assert (ROOT / "docs" / "syllabus.md").read_text() == syllabus.render()
+
+
+def minutes_recounted(stem):
+    """A lesson's talk by the model, counted over its cells as JSON, sections aside."""
+    cells = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text())["cells"]
+    words = sum(len(re.findall(r"[\w’'-]+", "".join(cell["source"])))
+                for cell in cells if cell["cell_type"] == "markdown")
+    code = [cell for cell in cells if cell["cell_type"] == "code"]
+    run = 0.0
+    for cell in code:
+        times = cell["metadata"].get("execution", {})
+        if "shell.execute_reply" in times:
+            run += (datetime.fromisoformat(times["shell.execute_reply"]) -
+                    datetime.fromisoformat(times["iopub.execute_input"])).total_seconds()
+    return words / 130 + (len(code) * 20 + run) / 60
+
+
+def test_the_plans_minutes_add_up_to_the_lessons():
+    rows = syllabus.plan()
+    for lesson in lessons():
+        own = [minutes for _, _, of, _, _, minutes in rows if of == lesson]
+        assert abs(sum(own) - minutes_recounted(lesson.stem)) < 1e-6, lesson.stem
+    assert len(rows) <= syllabus.WEEKS * syllabus.SLOTS_PER_WEEK
+    weeks = [(week, slot) for week, slot, *_ in rows]
+    assert weeks == sorted(weeks) and len(set(weeks)) == len(weeks)
+
+
+def test_the_long_lessons_split_where_their_sections_part():
+    """Each part of a split lesson starts at one of its `## ` headings, and each part fits the
+    talk of a slot; the split ones are the lessons too long for one (07, 10, 11, 12 today)."""
+    split = set()
+    for lesson in lessons():
+        parts = syllabus.parts(lesson)
+        text = (ROOT / "notebooks" / f"{lesson.stem}.ipynb").read_text()
+        if len(parts) > 1:
+            split.add(lesson.stem[:2])
+            assert f"## {parts[1][0].title}" in text
+        assert all(sum(section.minutes for section in part) <= syllabus.TALK_PER_SLOT
+                   for part in parts), lesson.stem
+    assert split == {"07", "10", "11", "12"}
