@@ -18,7 +18,7 @@ import pytest
 from helpers import grading, release
 from helpers.exercises import exercises, solution
 from helpers.grading import cells as notebook_cells
-from helpers.grading.sandbox import Limits
+from helpers.grading.sandbox import Limits, check_in_sandbox
 
 LESSON = "01_processes_and_groups"
 OTHER = "03_collectives"
@@ -159,6 +159,24 @@ def test_one_sandbox_passes_a_right_answer_and_shows_nothing_of_the_machine(cour
     assert "interfaces: [(1, 'lo')], solutions: ''" in got[("eve", "column_sum")]["message"]
     assert "Read-only file system" in got[("eve", "grid_sums")]["message"]
     assert not (COURSE / "planted-by-a-student").exists()
+
+
+def test_without_root_the_sandbox_is_a_user_namespace_its_answers_cannot_undo():
+    """The way an instructor without root grades (forced here, as CI is root): the answer runs in
+    a user namespace nested in the one that made the mounts, whose mounts are locked there: it
+    cannot unmount what hides the solutions (a mount of its own it may make, over nothing it
+    could not already see); the right answer still passes."""
+    hidden = str(COURSE / "helpers" / "processes_and_groups" / "solutions.py")
+    undo = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"undone = libc.umount2({hidden!r}.encode(), 2)\n"
+            f"size = len(open({hidden!r}).read())\n"
+            "raise RuntimeError(f'unmounted: {undone}, bytes read: {size}')\n")
+    verdicts = check_in_sandbox(
+        [("even_odd_sum", [(0, right("even_odd_sum") + "\ncheck('even_odd_sum', even_odd_sum)")]),
+         ("column_sum", [(0, undo)])],
+        hide=[hidden], limits=LIMITS, user_namespace=True)
+    assert verdicts["even_odd_sum"].status == "passed", verdicts["even_odd_sum"]
+    assert "RuntimeError: unmounted: -1, bytes read: 0" in verdicts["column_sum"].message
 
 
 @pytest.mark.soak  # a minute: four sandboxes, each starting ranks for every case
