@@ -64,8 +64,10 @@ if os.fork() == 0:
     "allocates_20_gb": {"even_odd_sum": "import torch\nbig = torch.ones(20 * 2**30, "
                                         "dtype=torch.uint8)\n{right}"},
     "reads_solutions": {
-        "even_odd_sum": "raise RuntimeError('stolen: ' + open(COURSE + "
-                        "'/helpers/processes_and_groups/solutions.py').read())",
+        "even_odd_sum": "import glob\nstolen = [open(path, 'rb').read() for pattern in ("
+                        "'/helpers/processes_and_groups/solutions.py', '/helpers/*/__pycache__/"
+                        "solutions.*', '/.git/*') for path in glob.glob(COURSE + pattern)]\n"
+                        "raise RuntimeError(f'stolen: {stolen}')",
         "column_sum": "import socket\nraise RuntimeError(f'interfaces: {socket.if_nameindex()}')"},
     "reads_and_writes_others": {
         "even_odd_sum": "raise RuntimeError('stolen: ' + open(FOLDER + "
@@ -242,7 +244,7 @@ def test_hostile_submissions_cost_only_their_own_points(course_for_students, tmp
         ("forks_forever", "even_odd_sum"): ("passed", "Every result was right"),
         ("prints_megabytes", "even_odd_sum"): ("passed", "Every result was right"),
         ("allocates_20_gb", "even_odd_sum"): ("error", "can't allocate memory"),
-        ("reads_solutions", "even_odd_sum"): ("error", "RuntimeError: stolen: \n"),
+        ("reads_solutions", "even_odd_sum"): ("error", "RuntimeError: stolen: [b''"),
         ("reads_solutions", "column_sum"): ("error", "interfaces: [(1, 'lo')]"),
         ("reads_and_writes_others", "even_odd_sum"): ("error", "FileNotFoundError"),
         # what a write meets: a read-only file system, or under /tmp (where pytest puts the
@@ -256,6 +258,9 @@ def test_hostile_submissions_cost_only_their_own_points(course_for_students, tmp
             status, says = planted.get((student, name), ("missing", "Not started"))
             assert got[(student, name)]["status"] == status, (student, name, got[(student, name)])
             assert says in got[(student, name)]["message"], got[(student, name)]["message"]
+    # the solutions, their bytecode and the git history: each read gave nothing
+    assert re.match(r"Cell 36 raised RuntimeError: stolen: \[b''(, b'')*\]\n",
+                    got[("reads_solutions", "even_odd_sum")]["message"])
     for name in ("even_odd_sum", "column_sum", "grid_sums"):
         assert got[("oscar", name)]["status"] == "missing"
         assert "could not be read as a notebook" in got[("oscar", name)]["message"]

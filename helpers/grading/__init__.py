@@ -79,7 +79,7 @@ def grade(folder, again=(), limits: Limits | None = None, say=print) -> list:
                      if (student.name, lesson.stem, name) not in done]
     for problem in problems:
         say(f"note: {problem}")
-    hide = [str(folder), *map(str, COURSE.glob("helpers/*/solutions.py"))]
+    hide = [str(folder), *_secrets(COURSE)]
     by_notebook = {}
     for student, lesson, notebook, name in work:
         by_notebook.setdefault((student, lesson, notebook), []).append(name)
@@ -98,6 +98,14 @@ def grade(folder, again=(), limits: Limits | None = None, say=print) -> list:
     _write_gradebook(folder, rows, by_stem, every)
     _write_feedback(folder, rows)
     return problems
+
+
+def _secrets(course) -> list:
+    """Every copy of the solutions in the course: the files, their compiled bytecode, and the git
+    history that holds them."""
+    return [str(path) for pattern in ("helpers/*/solutions.py",
+                                      "helpers/*/__pycache__/solutions.*", ".git")
+            for path in sorted(course.glob(pattern))]
 
 
 def _another_lessons(cells, lesson, every) -> str | None:

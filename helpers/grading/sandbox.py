@@ -9,8 +9,8 @@ new namespaces of its own, and reads back one verdict. What the answer's code me
 - **no network but loopback** (a network namespace with `lo` alone, up: the ranks' rendezvous);
 - **a read-only file system** (its mounts made read-only, recursively), but for a fresh
   `/tmp` and `/dev/shm` of its own, which vanish with it; it starts in `/tmp/work`;
-- **nothing to find**: the submissions folder (every student's notebooks, the grades) and every
-  `solutions.py` are covered by empty mounts;
+- **nothing to find**: the submissions folder (every student's notebooks, the grades), every
+  `solutions.py`, its compiled bytecode and the course's git history are covered by empty mounts;
 - **another user**: as root, the sandbox becomes `nobody`; otherwise it runs in a user namespace
   nested in the one that made its mounts, so that it can undo none of them;
 - **limits**: memory per process (RLIMIT_AS), the size of a file it writes, processes (as
@@ -59,7 +59,6 @@ class Verdict:
     status: str  # one of STATUSES
     message: str  # what the learner would read in the notebook, or what happened
     seconds: float
-    output: str = ""  # what the answer printed, cut at KEPT_OUTPUT
 
 
 def check_in_sandbox(answers, hide=(), limits: Limits | None = None,
