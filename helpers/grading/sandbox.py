@@ -21,10 +21,9 @@ Inside, the needed cells and the answer cell run in order as a kernel would run 
 `check` recording the function it is handed; then the exercise's own checker judges that
 function, and its verdict goes back on a pipe as one JSON line.
 
-What it does not protect: the checker runs in the same process as the student's code (as
-otter-grader's and nbgrader's tests do in the student's kernel), so a student who sets out to patch
-the checker can forge their own verdict. Every other student's grade, the solutions and the
-machine stay out of reach.
+What it does not protect: the checker runs in the same process as the student's code (as a test
+run in the student's kernel does), so a student who sets out to patch the checker can forge their
+own verdict. Every other student's grade, the solutions and the machine stay out of reach.
 """
 
 from __future__ import annotations
