@@ -7,7 +7,7 @@ what would give an exercise away:
 
 - every lesson's `solutions.py`, so that `helpers.exercises.solution()` says the solutions are
   withheld (SolutionWithheld);
-- in the notebooks, the sentence that points to them, said anew;
+- in the notebooks and the README, the sentence that points to them, said anew;
 - in the tests, every test that needs a solution or holds an answer: the reference solutions' own
   tests, the right answers written another way that a checker must accept, the typical mistakes it
   must reject (each is a solution with one thing changed), and whatever only they use. Each such
@@ -40,6 +40,7 @@ ANSWER_NAMES = {"expect_rejection", "expect_acceptance", "solution", "solutions"
 POINTER = re.compile(r"\s*A\s+reference\s+solution\s+of\s+each\s+is\s+in\s+"
                      r"`helpers/\w+/solutions\.py`;\s+try\s+first\.")
 INSTEAD = " Your instructor holds the reference solutions; `check` is your judge."
+README_POINTER = "Reference solutions are in\n`helpers/<lesson>/solutions.py`."
 
 
 def is_withheld(path: str) -> bool:
@@ -65,6 +66,8 @@ def build(destination) -> list:
         target.parent.mkdir(parents=True, exist_ok=True)
         if path.startswith("notebooks/") and path.endswith(".ipynb"):
             target.write_text(_notebook(source.read_text()))
+        elif path == "README.md":
+            target.write_text(source.read_text().replace(README_POINTER, INSTEAD.strip()))
         elif path.startswith("tests/") and path.endswith(".py"):
             text, removed = _strip_answers(source.read_text())
             target.write_text(text)

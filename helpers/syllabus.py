@@ -97,6 +97,20 @@ def plan() -> list:
     return rows
 
 
+def _whole_minutes(rows) -> list:
+    """Each part's minutes as a whole number: its lesson's total rounded once, the first part
+    rounded and the second given the rest, so that a lesson's parts add up to its rounded total."""
+    shown = []
+    for index, (*_, lesson, _, _, minutes) in enumerate(rows):
+        first = index == 0 or rows[index - 1][2] != lesson
+        if first:
+            shown.append(round(minutes))
+        else:
+            whole = round(sum(row[5] for row in rows if row[2] == lesson))
+            shown.append(whole - shown[-1])
+    return shown
+
+
 def _title(lesson) -> str:
     notebook = nbformat.read(ROOT / "notebooks" / f"{lesson.stem}.ipynb", as_version=4)
     return notebook.cells[0].source.split("\n")[0].lstrip("# ").split(" — ", 1)[-1]
@@ -129,17 +143,20 @@ def render() -> str:
         "| week | slot | lesson | sections | talk (min) |",
         "|---|---|---|---|---|",
     ]
-    for week, slot, lesson, name, piece, minutes in rows:
+    shown = _whole_minutes(rows)
+    for (week, slot, lesson, name, piece, _), minutes in zip(rows, shown):
         titles = "; ".join(section.title for section in piece)
-        lines.append(f"| {week} | {slot} | {name}: {_title(lesson)} | {titles} | {minutes:.0f} |")
+        lines.append(f"| {week} | {slot} | {name}: {_title(lesson)} | {titles} | {minutes} |")
     spare = slots - len(rows)
     if spare > 0:
         lines.append(f"| {WEEKS} | {'AB'[(len(rows)) % 2]}{'' if spare == 1 else ' +'} | "
-                     f"open ({spare} slot{'s' if spare > 1 else ''}) | the capstone's design "
-                     "exercises worked in class, and review | |")
-    total = sum(minutes for *_, minutes in rows)
-    lines += ["", f"{len(rows)} parts in {slots} slots; {total:.0f} minutes of talk in all, "
-              f"{total / len(rows):.0f} a part on average.", "",
+                     f"open ({spare} slot{'s' if spare > 1 else ''}) | review, and questions on "
+                     "the capstone's design exercises (homework) | |")
+    total = sum(shown)
+    lines += ["", f"{len(rows)} parts in {slots} slots; {total} minutes of talk in all, "
+              f"{total / len(rows):.0f} a part on average. Each lesson's minutes are rounded "
+              "once, and a split lesson's second part takes what its first leaves, so that the "
+              "parts add up to the lesson's row below.", "",
               "## Each lesson", "",
               "| lesson | talk (min) | prose (words) | code cells | cells' run (s) | after it, a "
               "student can |", "|---|---|---|---|---|---|"]
@@ -147,7 +164,7 @@ def render() -> str:
         found = sections(lesson)
         can_do = importlib.import_module(lesson.package).CAN_DO
         lines.append(f"| {lesson.stem[:2]} {_title(lesson)} | "
-                     f"{sum(section.minutes for section in found):.0f} | "
+                     f"{round(sum(section.minutes for section in found))} | "
                      f"{sum(section.words for section in found)} | "
                      f"{sum(section.cells for section in found)} | "
                      f"{sum(section.run_seconds for section in found):.0f} | {can_do} |")

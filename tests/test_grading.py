@@ -295,6 +295,19 @@ def test_a_run_stopped_goes_on_and_one_student_is_graded_anew(course_for_student
     grading.grade(tmp_path, again={"amy"}, say=said.append)
     assert len([line for line in said if line.startswith("[")]) == 3
     assert len(grades(tmp_path)) == 6
+    # a lesson one student alone handed in: a column, empty for the others; a stray file named
+    hand_in(tmp_path, "cat", course_for_students[OTHER], stem=OTHER)
+    (tmp_path / "cat" / "notes.txt").write_text("my answers are in the notebook")
+    said.clear()
+    problems = grading.grade(tmp_path, say=said.append)
+    assert problems == ["cat/notes.txt: not a notebook (left ungraded)"]
+    book = (tmp_path / "gradebook.csv").read_text().splitlines()
+    lessons_points = {name: exercise.points for name, exercise in exercises().items()}
+    most = sum(points for name, points in lessons_points.items()
+               if exercises()[name].lesson in {"helpers.processes_and_groups",
+                                               "helpers.collectives"})
+    assert book == [f"student,{LESSON},{OTHER},total,max_points", f"amy,0,,0,{most}",
+                    f"ben,0,,0,{most}", f"cat,,0,0,{most}"]
 
 
 def test_an_answer_takes_the_statements_it_needs_and_no_other():

@@ -107,6 +107,7 @@ def test_the_release_holds_no_solution_and_no_line_of_one(built):
     notebooks = [text for path, text in shipped.items() if path.suffix == ".ipynb"]
     assert len(notebooks) == len(list(ROOT.glob("notebooks/*.ipynb")))
     assert not any("solutions.py" in text for text in notebooks)
+    assert "solutions.py" not in (destination / "README.md").read_text()
 
 
 def _tests_by_file(folder, paths):

@@ -57,3 +57,13 @@ def test_the_long_lessons_split_where_their_sections_part():
         assert all(sum(section.minutes for section in part) <= syllabus.TALK_PER_SLOT
                    for part in parts), lesson.stem
     assert split == {"07", "10", "11", "12"}
+
+
+def test_the_minutes_shown_add_up_as_printed():
+    """Whole minutes on the page: a lesson's parts sum to its own row, the rows to the total."""
+    rows = syllabus.plan()
+    shown = syllabus._whole_minutes(rows)
+    for lesson in lessons():
+        mine = [minutes for row, minutes in zip(rows, shown) if row[2] == lesson]
+        assert sum(mine) == round(minutes_recounted(lesson.stem)), lesson.stem
+    assert f"; {sum(shown)} minutes of talk in all" in syllabus.render()

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import pathlib
 import sys
 import time
 
 from helpers.grading import cells as notebook_cells
-from helpers.grading.sandbox import Limits, check_in_sandbox
+from helpers.grading.sandbox import STATUSES, Limits, check_in_sandbox
 
 COLUMNS = ("student", "lesson", "exercise", "points", "max_points", "status", "seconds",
            "message")
@@ -47,13 +48,14 @@ OWN = {"grades.csv", "gradebook.csv", "feedback"}  # what the grader writes in t
 COURSE = pathlib.Path(__file__).resolve().parent.parent.parent
 
 
-def grade(folder, again=(), limits: Limits | None = None, say=print) -> list:
+def grade(folder, again=(), limits: Limits | None = None, say=None) -> list:
     """Grade every submission in `folder` not yet in its grades.csv (all of `again`'s anew);
     returns the problems found, each a sentence naming its file or folder."""
     from helpers.exercises import exercises
     from helpers.lessons import lessons
 
     folder, limits = pathlib.Path(folder).resolve(), limits or Limits()
+    say = say or functools.partial(print, flush=True)  # a line as each answer is graded
     by_stem = {lesson.stem: lesson for lesson in lessons()}
     every = exercises()
     rows = [row for row in _read(folder / "grades.csv") if row["student"] not in again]
@@ -68,6 +70,8 @@ def grade(folder, again=(), limits: Limits | None = None, say=print) -> list:
         handed = sorted(student.glob("*.ipynb"))
         if not handed:
             problems.append(f"{student.name}/: handed in no notebook")
+        problems += [f"{student.name}/{path.name}: not a notebook (left ungraded)"
+                     for path in sorted(student.iterdir()) if path.suffix != ".ipynb"]
         for notebook in handed:
             lesson = by_stem.get(notebook.stem)
             if lesson is None:
@@ -83,6 +87,18 @@ def grade(folder, again=(), limits: Limits | None = None, say=print) -> list:
     by_notebook = {}
     for student, lesson, notebook, name in work:
         by_notebook.setdefault((student, lesson, notebook), []).append(name)
+    try:
+        _grade_all(by_notebook, rows=rows, folder=folder, every=every, hide=hide, limits=limits,
+                   problems=problems, say=say, total=len(work))
+    finally:  # stopped or not: the gradebook and feedback say what grades.csv holds
+        _write_gradebook(folder, rows, every)
+        _write_feedback(folder, rows)
+    return problems
+
+
+def _grade_all(by_notebook, *, rows, folder, every, hide, limits, problems, say, total):
+    """Each handed-in notebook's answers, graded in its sandbox; each row appended to grades.csv
+    (and to `rows`) as it comes, a progress line said."""
     graded = 0
     for (student, lesson, notebook), names in by_notebook.items():
         cells = _cells(notebook, lesson, every)
@@ -93,11 +109,8 @@ def grade(folder, again=(), limits: Limits | None = None, say=print) -> list:
             rows.append(row)
             _append(folder / "grades.csv", row)
             graded += 1
-            say(f"[{graded}/{len(work)}] {student} {lesson.stem[:2]} {row['exercise']}: "
+            say(f"[{graded}/{total}] {student} {lesson.stem[:2]} {row['exercise']}: "
                 f"{row['status']} ({row['points']}/{row['max_points']}, {row['seconds']} s)")
-    _write_gradebook(folder, rows, by_stem, every)
-    _write_feedback(folder, rows)
-    return problems
 
 
 def _secrets(course) -> list:
@@ -158,10 +171,12 @@ def _graded(student, lesson, cells, names, every, hide, limits) -> list:
 
 
 def _read(path) -> list:
+    """The rows already graded; a row cut short (a run killed as it wrote) is graded again."""
     if not path.exists():
         return []
     with open(path, newline="") as file:
-        return list(csv.DictReader(file))
+        return [row for row in csv.DictReader(file)
+                if None not in row.values() and row["status"] in (*STATUSES, "missing")]
 
 
 def _write(path, rows):
@@ -178,19 +193,20 @@ def _append(path, row):
         os.fsync(file.fileno())
 
 
-def _write_gradebook(folder, rows, by_stem, every):
+def _write_gradebook(folder, rows, every):
+    """A row per student, a column per lesson anyone handed in: its points, or empty where the
+    student handed in no notebook of it; then the total, and the most the class's lessons give."""
     stems = sorted({row["lesson"] for row in rows})
-    students = sorted({row["student"] for row in rows})
+    packages = {f"helpers.{stem[3:]}" for stem in stems}  # 03_collectives: helpers.collectives
+    most = sum(exercise.points for exercise in every.values() if exercise.lesson in packages)
     with open(folder / "gradebook.csv", "w", newline="") as file:
         writer = csv.writer(file)
         writer.writerow(["student", *stems, "total", "max_points"])
-        for student in students:
+        for student in sorted({row["student"] for row in rows}):
             mine = [row for row in rows if row["student"] == student]
             points = [sum(int(row["points"]) for row in mine if row["lesson"] == stem)
-                      for stem in stems]
-            most = sum(exercise.points for exercise in every.values()
-                       if exercise.lesson in {by_stem[stem].package for stem in stems})
-            writer.writerow([student, *points, sum(points), most])
+                      if any(row["lesson"] == stem for row in mine) else "" for stem in stems]
+            writer.writerow([student, *points, sum(p for p in points if p != ""), most])
 
 
 def _write_feedback(folder, rows):
@@ -199,7 +215,8 @@ def _write_feedback(folder, rows):
         mine = [row for row in rows if row["student"] == student]
         lines = [f"# Feedback for {student}", "",
                  f"{sum(int(row['points']) for row in mine)} of "
-                 f"{sum(int(row['max_points']) for row in mine)} points.", ""]
+                 f"{sum(int(row['max_points']) for row in mine)} points, for the lessons you "
+                 "handed in.", ""]
         for lesson in sorted({row["lesson"] for row in mine}):
             lines += [f"## {lesson}", ""]
             for row in (row for row in mine if row["lesson"] == lesson):
