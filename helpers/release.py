@@ -65,7 +65,7 @@ def build(destination) -> list:
         target = destination / path
         target.parent.mkdir(parents=True, exist_ok=True)
         if path.startswith("notebooks/") and path.endswith(".ipynb"):
-            target.write_text(_notebook(source.read_text()))
+            target.write_text(notebook_for_students(source.read_text()))
         elif path == "README.md":
             target.write_text(source.read_text().replace(README_POINTER, INSTEAD.strip()))
         elif path.startswith("tests/") and path.endswith(".py"):
@@ -80,7 +80,7 @@ def build(destination) -> list:
     return withheld_tests
 
 
-def _notebook(text: str) -> str:
+def notebook_for_students(text: str) -> str:
     """A notebook with its pointer to the solutions said anew (its outputs hold none: the
     exercise cells are the stubs a student starts from)."""
     notebook = nbformat.reads(text, as_version=4)
