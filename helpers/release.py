@@ -2,8 +2,9 @@
 
     python -m helpers.release DEST
 
-writes into DEST (new, or empty) every file git tracks here, as a fresh tree with no history, less
-what would give an exercise away:
+writes into DEST (new, or empty) every file git tracks here, as it is in this checkout (an
+instructor's uncommitted edits included), as a fresh tree with no history, less what would give an
+exercise away:
 
 - every lesson's `solutions.py`, so that `helpers.exercises.solution()` says the solutions are
   withheld (SolutionWithheld);
