@@ -183,10 +183,8 @@ def test_without_root_the_sandbox_is_a_user_namespace_its_answers_cannot_undo():
     assert "RuntimeError: unmounted: -1, bytes read: 0" in verdicts["column_sum"].message
 
 
-@pytest.mark.soak  # a minute: four sandboxes, each starting ranks for every case
-def test_an_honest_class_gets_what_was_planted(course_for_students, tmp_path):
-    honest_class(tmp_path, course_for_students)
-    grading.grade(tmp_path, limits=LIMITS, say=lambda line: None)
+def honest_grades_are_what_was_planted(tmp_path):
+    """The honest class's grades.csv, gradebook.csv and feedback, row by row."""
     got = grades(tmp_path)
     assert set(got) == set(HONEST)
     for key, (status, says) in HONEST.items():
@@ -205,10 +203,12 @@ def test_an_honest_class_gets_what_was_planted(course_for_students, tmp_path):
 
 
 @pytest.mark.soak  # about 3 minutes: fourteen sandboxes, two hangs to their limits
-def test_hostile_submissions_cost_only_their_own_points(course_for_students, tmp_path):
+def test_an_honest_class_and_hostile_submissions_that_cost_only_their_own_points(
+        course_for_students, tmp_path):
     honest_alone = tmp_path / "honest"
     honest_class(honest_alone, course_for_students)
     grading.grade(honest_alone, limits=LIMITS, say=lambda line: None)
+    honest_grades_are_what_was_planted(honest_alone)
 
     folder = tmp_path / "class"
     honest_class(folder, course_for_students)
