@@ -140,11 +140,14 @@ def notebook_seconds(path) -> float:
     the kernel's taking the cell (`iopub.execute_input`) to its reply (`shell.execute_reply`),
     which nbconvert writes in each cell's metadata. A cell without them counts 0."""
     cells = json.loads(pathlib.Path(path).read_text())["cells"]
-    seconds = 0.0
-    for cell in cells:
-        times = cell.get("metadata", {}).get("execution", {})
-        if cell["cell_type"] == "code" and {"iopub.execute_input",
-                                            "shell.execute_reply"} <= times.keys():
-            seconds += (datetime.fromisoformat(times["shell.execute_reply"])
-                        - datetime.fromisoformat(times["iopub.execute_input"])).total_seconds()
-    return seconds
+    return sum(cell_seconds(cell) for cell in cells if cell["cell_type"] == "code")
+
+
+def cell_seconds(cell) -> float:
+    """How long a code cell took in its notebook's committed run (notebook_seconds); 0 without
+    the times."""
+    times = cell.get("metadata", {}).get("execution", {})
+    if not {"iopub.execute_input", "shell.execute_reply"} <= times.keys():
+        return 0.0
+    return (datetime.fromisoformat(times["shell.execute_reply"])
+            - datetime.fromisoformat(times["iopub.execute_input"])).total_seconds()

@@ -139,14 +139,10 @@ def _strip_answers(text: str) -> tuple[str, list]:
             drop.update(range(_first_line(statement) - 1, statement.end_lineno))
     replaced = {}
     for statement, gone in imports.values():
-        if all(gone):
-            drop.update(range(statement.lineno - 1, statement.end_lineno))
-        elif any(gone):
-            statement.names = [alias for alias, out in zip(statement.names, gone) if not out]
-            drop.update(range(statement.lineno, statement.end_lineno))
-            replaced[statement.lineno - 1] = ast.unparse(statement) + "\n"
-    kept = [replaced.get(number, line) for number, line in enumerate(lines)
-            if number not in drop or number in replaced]
+        if any(gone):
+            _narrow_import(statement, [alias for alias, out in zip(statement.names, gone)
+                                       if not out], drop, replaced)
+    kept = _kept_lines(lines, drop, replaced)
     removed = [statement.name for (statement, _, _), gone in zip(units, answer)
                if gone and _is_test(statement)]
     if removed:
@@ -194,12 +190,22 @@ def _unused_imports_dropped(text: str) -> list:
             continue
         names = [alias for alias in statement.names
                  if (alias.asname or alias.name).split(".")[0] in used or alias.name == "*"]
-        if len(names) == len(statement.names):
-            continue
-        drop.update(range(statement.lineno - 1, statement.end_lineno))
-        if names:
-            statement.names = names
-            replaced[statement.lineno - 1] = ast.unparse(statement) + "\n"
+        if len(names) < len(statement.names):
+            _narrow_import(statement, names, drop, replaced)
+    return _kept_lines(lines, drop, replaced)
+
+
+def _narrow_import(statement, kept, drop, replaced):
+    """Take an import statement's lines out (into `drop`), and where it keeps any of its names,
+    put the import of `kept` alone on its first line (into `replaced`)."""
+    drop.update(range(statement.lineno - 1, statement.end_lineno))
+    if kept:
+        statement.names = kept
+        replaced[statement.lineno - 1] = ast.unparse(statement) + "\n"
+
+
+def _kept_lines(lines, drop, replaced) -> list:
+    """The lines not dropped, each replaced line in its new form."""
     return [replaced.get(number, line) for number, line in enumerate(lines)
             if number not in drop or number in replaced]
 

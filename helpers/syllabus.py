@@ -6,7 +6,7 @@
 A lesson's talk time is a model built on measurements. Its prose is timed at WORDS_PER_MINUTE.
 Each code cell gets SECONDS_PER_CELL to show and explain. Each cell's run time is the one its
 committed notebook records: nbconvert's run, from the kernel taking the cell to its reply
-(`helpers.lessons.notebook_seconds`). A lesson whose talk exceeds TALK_PER_SLOT minutes is split
+(`helpers.lessons.cell_seconds`). A lesson whose talk exceeds TALK_PER_SLOT minutes is split
 into two parts, at the section (`## `) boundary that halves it best. The ten-week plan gives each
 part one 80-minute slot, and the rest of the slot goes to questions and an exercise done in class.
 An exercise's hours are a model too, by its points (HOURS_PER_POINT): no cohort's times exist yet.
@@ -19,12 +19,11 @@ import importlib
 import pathlib
 import re
 from dataclasses import dataclass
-from datetime import datetime
 
 import nbformat
 
 from helpers.exercises import exercises
-from helpers.lessons import lessons
+from helpers.lessons import cell_seconds, lessons
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORDS_PER_MINUTE = 130  # a lecturer's unhurried rate
@@ -59,16 +58,8 @@ def sections(lesson) -> list:
             found[-1][1] += len(re.findall(r"[\w’'-]+", cell.source))
         elif cell.cell_type == "code":
             found[-1][2] += 1
-            found[-1][3] += _run_seconds(cell)
+            found[-1][3] += cell_seconds(cell)
     return [Section(*one) for one in found]
-
-
-def _run_seconds(cell) -> float:
-    times = cell.get("metadata", {}).get("execution", {})
-    if {"iopub.execute_input", "shell.execute_reply"} <= times.keys():
-        return (datetime.fromisoformat(times["shell.execute_reply"])
-                - datetime.fromisoformat(times["iopub.execute_input"])).total_seconds()
-    return 0.0
 
 
 def parts(lesson) -> list:

@@ -74,7 +74,7 @@ def answer(cells, exercise: str) -> Answer | None:
 def _statements(text: str) -> list:
     """A cell's top-level statements (none where it is not valid Python)."""
     try:
-        return [statement for statement in ast.parse(text).body]
+        return list(ast.parse(text).body)
     except SyntaxError:
         return []
 

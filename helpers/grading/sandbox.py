@@ -121,8 +121,7 @@ class _Drain(threading.Thread):
         self.start()
 
     def run(self):
-        while chunk := self.stream.read1(65536) if hasattr(self.stream, "read1") else \
-                self.stream.read(65536):
+        while chunk := self.stream.read1(65536):  # a buffered reader, both streams
             room = KEPT_OUTPUT - len(self.kept)
             self.kept += chunk[:max(room, 0)]
             self.dropped += max(len(chunk) - max(room, 0), 0)
