@@ -24,10 +24,10 @@
   cases whose index is the commit's number modulo N; a test with fewer cases runs one of them), so
   that every test runs in every run and every case within N commits. The soak tier uses it: its
   cases repeat one way of failing with another input, and it was the longest tier.
-- --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (a first line
-  `# NBVAL_IGNORE_OUTPUT` and a `# (timings)` line under it) is not run when no later cell of its
-  notebook needs a name it assigns. The other-CPU tier uses it: such a cell compares nothing
-  there, and `make test` already ran it.
+- --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (tagged
+  `nbval-ignore-output`, with `"nbval_ignore_output_because": "timings"` in its metadata) is not
+  run when no later cell of its notebook needs a name it assigns. The other-CPU tier uses it:
+  such a cell compares nothing there, and `make test` already ran it.
 """
 
 import ast
@@ -157,7 +157,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="a timing nbval ignores: compared on no pass, run on the first")
     cells = [(item, _source(item)) for item in items]
     for index, (item, source) in enumerate(cells):
-        if not source or "NBVAL_IGNORE_OUTPUT" not in source or "# (timings)" not in source:
+        if not source or ignored_because(item.cell) != "timings":
             continue
         later = [other for other_item, other in cells[index + 1:]
                  if other and other_item.parent is item.parent]
@@ -165,6 +165,14 @@ def pytest_collection_modifyitems(config, items):
         if assigned is not None and None not in used and not any(assigned & names
                                                                   for names in used):
             item.add_marker(skip)
+
+
+def ignored_because(cell) -> str | None:
+    """Why nbval ignores a notebook cell's output (its metadata says), or None where it compares
+    it. The notebooks mark such a cell with nbval's tag, never a comment a learner would see."""
+    if "nbval-ignore-output" not in cell.metadata.get("tags", []):
+        return None
+    return cell.metadata.get("nbval_ignore_output_because", "")
 
 
 def cases_kept(nodeids: list, share: int, number: int) -> set:

@@ -178,13 +178,18 @@ def test_lesson_05_stepper_slider_redraws_the_ring(page):
 SCREEN = {"width": 1280, "height": 720}
 # notebooks/rise.css's sizes: no text on a slide is smaller (the cells' prompts aside)
 PROSE_PX, CODE_PX = 18, 16
+# A word narrower than this share of its cell's width fits a line of it (the rest: the cell's
+# padding and prompt), so a wrap must not cut it; a wider one may be cut.
+WORD_FITS = 0.8
 # The sub-slide on screen (RISE nests a slide's sub-slides: the innermost present one)
 PRESENT = ("(() => { const present = document.querySelectorAll('.reveal .slides section.present');"
            " return present[present.length - 1]; })()")
 # On the sub-slide on screen: its height, whether it scrolls (taller than the screen: rise.css
 # caps it at 95 % of the screen) and where it ends, the outputs, inputs and prose whose words pass
-# their box's or the screen's right edge, and the smallest text and prose (font size in px, where).
+# their box's or the screen's right edge, the words a wrapped line cuts in two, and the smallest
+# text and prose (font size in px, where).
 MEASURE = f"""() => {{
+  const WORD_FITS = {WORD_FITS};
   const present = {PRESENT};
   const texts = (root) => {{
     const found = [], walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
@@ -212,6 +217,24 @@ MEASURE = f"""() => {{
       Math.round(Math.max(0, ...texts(box).map(right))),
       Math.round(Math.min(box.getBoundingClientRect().right, {SCREEN["width"]})),
       box.innerText.slice(0, 40)]).filter(([text, edge]) => text > edge + 1);
+  const range = document.createRange();  // words a wrapped line cuts in two, though they fit one
+  const broken = [];
+  for (const box of present.querySelectorAll(
+      '.jp-OutputArea-output, .jp-InputArea-editor, .jp-RenderedMarkdown')) {{
+    for (const node of texts(box)) {{
+      for (const word of node.textContent.matchAll(/[!-,.-~]+/g)) {{  // ASCII: a hyphen or a CJK
+        // character (in lesson 14's sampled bytes) may end a line
+        range.setStart(node, word.index);
+        range.setEnd(node, word.index + word[0].length);
+        const rects = Array.from(range.getClientRects()).filter(r => r.width > 0);
+        const tops = new Set(rects.map(r => Math.round(r.top)));
+        const width = rects.reduce((sum, r) => sum + r.width, 0);  // its width on one line
+        if (tops.size > 1 && width < WORD_FITS * box.getBoundingClientRect().width) {{
+          broken.push(word[0]);
+        }}
+      }}
+    }}
+  }}
   if (present.scrollWidth > present.clientWidth + 1) {{
     wide.push([present.scrollWidth, present.clientWidth, 'the sub-slide scrolls sideways']);
   }}
@@ -231,7 +254,7 @@ MEASURE = f"""() => {{
   }}
   return {{height: present.scrollHeight, scrolls: present.scrollHeight > present.clientHeight + 1,
           bottom: present.getBoundingClientRect().bottom, hash: window.location.hash,
-          wide: wide, smallest: smallest, prose: prose}};
+          wide: wide, broken: broken, smallest: smallest, prose: prose}};
 }}"""
 
 
@@ -384,7 +407,7 @@ def test_the_lesson_as_slides(lab, lesson):
     cells = json.loads(lesson.read_text())["cells"]
     plan = [sub_slide for slide in slides.slides(cells) for sub_slide in slide]
     places = [(h, v) for h, slide in enumerate(slides.slides(cells)) for v in range(len(slide))]
-    too_tall, scrolled, too_wide, widget = [], [], [], None
+    too_tall, scrolled, too_wide, broken, widget = [], [], [], [], None
     smallest = prose = (1000, "")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -403,6 +426,7 @@ def test_the_lesson_as_slides(lab, lesson):
                 assert measured["hash"] == expected or index == 0 and measured["hash"] in (
                     "", "#/"), (index, expected, measured["hash"])
                 too_wide += [(index, *output) for output in measured["wide"]]
+                broken += [(index, word) for word in measured["broken"]]
                 smallest = min(smallest, tuple(measured["smallest"]))
                 prose = min(prose, tuple(measured["prose"]))
                 height = measured["height"]
@@ -423,11 +447,13 @@ def test_the_lesson_as_slides(lab, lesson):
             print(f"{lesson.name}: {len(plan)} sub-slides at {SCREEN['width']} x "
                   f"{SCREEN['height']}; scrolling (index, px, bottom reached by the wheel): "
                   f"{scrolled}; words past the right edge (index, right, edge, start): "
-                  f"{too_wide}; smallest text: {smallest[0]:g} px ({smallest[1]!r}), prose: "
+                  f"{too_wide}; words cut by a wrap (index, word): {broken}; "
+                  f"smallest text: {smallest[0]:g} px ({smallest[1]!r}), prose: "
                   f"{prose[0]:g} px ({prose[1]!r}); the first widget run live and moved "
                   f"(sub-slide, px, bottom reached, step before -> after): {widget}")
     assert too_tall == []
     assert too_wide == []
+    assert broken == []
     assert smallest[0] >= CODE_PX, smallest
     assert prose[0] >= PROSE_PX, prose
     assert widget is None or widget[2], widget

@@ -65,3 +65,43 @@ def test_nbval_starts_its_kernels_through_it():
     import nbval.kernel
 
     assert getattr(nbval.kernel.start_new_kernel, "started_again", False)
+
+
+def _code_cells():
+    import nbformat
+
+    for path in sorted(os.scandir(os.path.join(ROOT, "notebooks")), key=lambda entry: entry.name):
+        if path.name.endswith(".ipynb"):
+            for index, cell in enumerate(nbformat.read(path.path, as_version=4).cells):
+                if cell.cell_type == "code":
+                    yield f"{path.name} cell {index}", cell
+
+
+def test_no_cell_shows_an_nbval_marker_and_each_ignored_output_says_why():
+    """nbval's markers are cell tags, which a slide or a student never sees; each says why."""
+    from nbval.plugin import comment_markers, find_metadata_tags
+
+    conftest = _root_conftest()
+    shown = [where for where, cell in _code_cells()
+             if any(line.lstrip("# ").strip() in comment_markers
+                    for line in cell.source.splitlines() if line.lstrip().startswith("#"))]
+    assert shown == []
+    ignored = {where: cell for where, cell in _code_cells()
+               if "nbval-ignore-output" in cell.metadata.get("tags", [])}
+    assert ignored, "the course has cells whose output nbval ignores (timings, live widgets)"
+    for where, cell in ignored.items():
+        assert dict(find_metadata_tags(cell.metadata)) == {"check": False}, where  # nbval's reading
+        assert conftest.ignored_because(cell), f"{where} does not say why its output is ignored"
+
+
+def test_a_timing_is_known_by_its_reason():
+    conftest = _root_conftest()
+    import nbformat
+
+    timing = nbformat.v4.new_code_cell("t = 1", metadata={
+        "tags": ["nbval-ignore-output"], "nbval_ignore_output_because": "timings"})
+    widget = nbformat.v4.new_code_cell("w", metadata={
+        "tags": ["nbval-ignore-output"], "nbval_ignore_output_because": "a live widget"})
+    assert conftest.ignored_because(timing) == "timings"
+    assert conftest.ignored_because(widget) == "a live widget"
+    assert conftest.ignored_because(nbformat.v4.new_code_cell("x")) is None
