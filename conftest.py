@@ -6,6 +6,8 @@
   lesson 12's cell 25 failed once in three runs under ATEN_CPU_CAPABILITY=default beside three
   other notebooks. The wait is raised to NBVAL_OUTPUT_WAIT_S; a cell that hangs still ends at
   nbval's cell timeout.
+- A cell's heartbeat (helpers.notebook: "still running", where a cell runs long) is left out of
+  what nbval compares, on both sides: whether it shows depends on the machine's speed.
 - A kernel that dies before it answers is started again, up to KERNEL_STARTS times in all, with
   a warning that quotes its last words. Once in a CI run, beside pip installing another Python's
   environment, one kernel died so (nbval sends a kernel's stderr to /dev/null; the likeliest
@@ -66,13 +68,31 @@ def started_again_if_it_dies(start_new_kernel, starts: int = KERNEL_STARTS):
     return start
 
 
+def compared_without_heartbeats(compare_outputs):
+    """nbval's comparison of a cell's outputs, less a cell's heartbeat (helpers.notebook: shown
+    where a cell runs long, so on a slower machine than the committed run's)."""
+    from helpers.notebook import without_heartbeats
+
+    @functools.wraps(compare_outputs)
+    def compare(self, test, ref, *args, **kwargs):
+        return compare_outputs(self, without_heartbeats(test), without_heartbeats(ref), *args,
+                               **kwargs)
+
+    compare.without_heartbeats = True
+    return compare
+
+
 try:
     import nbval.kernel
+    import nbval.plugin
 except ImportError:  # pytest without nbval: no notebooks to run
     pass
 else:
     if not getattr(nbval.kernel.start_new_kernel, "started_again", False):
         nbval.kernel.start_new_kernel = started_again_if_it_dies(nbval.kernel.start_new_kernel)
+    if not getattr(nbval.plugin.IPyNbCell.compare_outputs, "without_heartbeats", False):
+        nbval.plugin.IPyNbCell.compare_outputs = compared_without_heartbeats(
+            nbval.plugin.IPyNbCell.compare_outputs)
 
 
 def pytest_addoption(parser):

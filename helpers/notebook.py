@@ -1,10 +1,12 @@
 """Small conveniences for the notebooks: show a function's source instead of copying it into a
-cell (notebooks/02_point_to_point.ipynb onwards), a progress bar for long cells, and the indicator
-shown while the worker pool warms up (`import helpers` in a kernel).
+cell (notebooks/02_point_to_point.ipynb onwards), a progress bar for long cells, the indicator
+shown while the worker pool warms up, and the heartbeat of a cell that runs long (both from
+`import helpers` in a kernel).
 """
 
 import inspect
 import threading
+import time
 
 from IPython.display import HTML, Code, display
 
@@ -90,3 +92,79 @@ class WarmUpIndicator(Creeping):
         print("Warming up: starting the worker pool, which imports torch once per kernel "
               "(a few seconds). Later launches take about 0.1 s.", flush=True)
         super().__init__("worker pool: warming up", expected_seconds, "worker pool: ready")
+
+
+# A cell still running after this many seconds says so (a line that counts its seconds), so that
+# nothing on a slide or a page waits in silence for more than 2 s.
+HEARTBEAT_AFTER_S = 1.0
+HEARTBEAT = {"helpers": "heartbeat"}  # its output's metadata: `make notebooks` drops the output
+
+
+class Heartbeat:
+    """In a Jupyter kernel: a cell still running after `after` seconds shows, under what it has
+    printed so far, "still running: 7 s (Esc, I, I stops it)", counted up each second, and the
+    line is emptied as the cell ends. A progress bar says how far; this says that it is alive, in
+    every cell, the learner's own included. Its output carries HEARTBEAT in its metadata:
+    `without_heartbeats` drops it from a committed notebook (helpers.slides), and nbval compares
+    cells without it (conftest.py), since whether it shows depends on the machine's speed."""
+
+    def __init__(self, shell, after: float = HEARTBEAT_AFTER_S):
+        self.after, self._stop, self._thread = after, None, None
+        shell.events.register("pre_run_cell", self._start)
+        shell.events.register("post_run_cell", self._end)
+
+    def _start(self, info=None):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(self._stop, time.monotonic()),
+                                        name="helpers-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self, stop, start):
+        if stop.wait(self.after):
+            return
+        handle = display(self._line(time.monotonic() - start), raw=True, display_id=True,
+                         metadata=HEARTBEAT)
+        while not stop.wait(1.0):
+            handle.update(self._line(time.monotonic() - start), raw=True, metadata=HEARTBEAT)
+        handle.update({"text/plain": "", "text/html": ""}, raw=True, metadata=HEARTBEAT)
+
+    @staticmethod
+    def _line(seconds):
+        text = f"still running: {seconds:.0f} s (Esc, I, I stops it)"
+        return {"text/plain": text,
+                "text/html": f'<span class="helpers-heartbeat">&#8987; {text}</span>'}
+
+    def _end(self, result=None):
+        if self._thread is not None:  # (none where the heartbeat began within a cell)
+            self._stop.set()
+            self._thread.join()
+
+
+def keep_a_heartbeat():
+    """Start the heartbeat in this kernel, once (`import helpers` calls it)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None and not hasattr(shell, "helpers_heartbeat"):
+        shell.helpers_heartbeat = Heartbeat(shell)
+
+
+def without_heartbeats(outputs: list) -> list:
+    """A cell's outputs without the heartbeat's, and the printed text it parted joined again: the
+    cell's outputs where it ran fast enough to show none."""
+    kept, parted = [], False
+    for output in outputs:
+        if output.get("metadata", {}).get("helpers") == HEARTBEAT["helpers"]:
+            parted = True
+            continue
+        joined = parted and kept and output["output_type"] == "stream" == kept[-1]["output_type"]
+        parted = False
+        if joined and output["name"] == kept[-1]["name"]:
+            kept[-1] = {**kept[-1], "text": _text(kept[-1]["text"]) + _text(output["text"])}
+            continue
+        kept.append(output)
+    return kept
+
+
+def _text(text) -> str:
+    return text if isinstance(text, str) else "".join(text)

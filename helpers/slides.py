@@ -3,9 +3,10 @@ a slide, and the cells under it are packed into sub-slides that fit a 1280 x 720
 
     python -m helpers.slides notebooks/NN_name.ipynb ...
 
-rewrites the notebooks in place: markdown cells are cut at their headings, and prose taller than a
-screen is cut between paragraphs (never inside a fenced code block); every cell then gets its
-`slideshow.slide_type`. Outputs are kept. tests/test_slides.py checks that running it changes
+rewrites the notebooks in place: the outputs of a cell's heartbeat go (helpers.notebook, which
+makes them where a cell runs long), markdown cells are cut at their headings, and prose taller
+than a screen is cut between paragraphs (never inside a fenced code block); every cell then gets
+its `slideshow.slide_type`. Outputs are kept. tests/test_slides.py checks that running it changes
 nothing, so the slides cannot drift from the lessons.
 
 Heights are estimated from the cells' contents (a line of prose, of code, of output; a figure's
@@ -23,6 +24,8 @@ import json
 import struct
 import sys
 import uuid
+
+from helpers.notebook import without_heartbeats
 
 SCREEN_WIDTH, BUDGET = 1280, 600  # pixels of a slide's content, below the slide's margins
 # At notebooks/rise.css's sizes: prose 18 px (a line of 110 characters at most), code and outputs
@@ -183,6 +186,9 @@ def slides(cells: list) -> list:
 def rewrite(path: str) -> None:
     with open(path) as file:
         notebook = json.load(file)
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":  # a slow machine's "still running" lines
+            cell["outputs"] = without_heartbeats(cell["outputs"])
     notebook["cells"] = assign(split(notebook["cells"]))
     notebook["metadata"]["rise"] = {**notebook["metadata"].get("rise", {}), **RISE}
     with open(path, "w") as file:

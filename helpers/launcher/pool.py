@@ -42,17 +42,20 @@ def warm_up(in_background: bool = False, only_in_a_kernel: bool = False) -> None
     seconds), and one process is forked from it, so the first launch finds it ready.
 
     `import helpers` in a Jupyter kernel calls this in the background and shows a progress bar
-    while it runs; `run` and `spawn` wait for it if it has not finished."""
+    while it runs (and starts the kernel's heartbeat, helpers.notebook.Heartbeat); `run` and
+    `spawn` wait for it if it has not finished."""
     global _warm_up_thread
     if only_in_a_kernel and not _in_a_kernel():
         return
     with _warm_up_lock:
         if _warm_up_thread is None:
             indicator = None
-            if _in_a_kernel() and forkserver_pid() is None:
-                from helpers.notebook import WarmUpIndicator
+            if _in_a_kernel():
+                from helpers.notebook import WarmUpIndicator, keep_a_heartbeat
 
-                indicator = WarmUpIndicator()
+                keep_a_heartbeat()
+                if forkserver_pid() is None:
+                    indicator = WarmUpIndicator()
             _warm_up_thread = threading.Thread(target=_start_forkserver, args=(indicator,),
                                                name="helpers-warm-up", daemon=True)
             _warm_up_thread.start()
