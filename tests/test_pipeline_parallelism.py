@@ -298,8 +298,43 @@ def by_order_ignoring_the_order(rank, world_size, weight, micro_batches, m, shap
     return solutions.pipeline_by_order(rank, world_size, weight, micro_batches, m, shape, gpipe)
 
 
+def by_order_taking_messages_as_they_come(rank, world_size, weight, micro_batches, m, shape,
+                                          order):
+    """Right where neighbours take the micro-batches in the same order; where they do not, a
+    receive takes another micro-batch's message (untagged)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    weight = weight.clone().requires_grad_()
+    kept, sends = {}, []
+    for kind, i in order:
+        if kind == "F":
+            x = micro_batches[i] if rank == 0 else torch.empty(shape)
+            if rank > 0:
+                dist.recv(x, src=rank - 1)
+                x.requires_grad_()
+            out = F.gelu(x @ weight)
+            if rank < world_size - 1:
+                sends.append(dist.isend(out.detach(), dst=rank + 1))
+            kept[i] = (x, out)
+        else:
+            x, out = kept.pop(i)
+            if rank == world_size - 1:
+                (out.square().mean() / m).backward()
+            else:
+                grad = torch.empty(shape)
+                dist.recv(grad, src=rank + 1)
+                out.backward(grad)
+            if rank > 0:
+                sends.append(dist.isend(x.grad, dst=rank - 1))
+    for work in sends:
+        work.wait()
+    return weight.grad
+
+
 @pytest.mark.parametrize("mistake, says", [
     (by_order_with_blocking_sends, "did not finish within"),
+    (by_order_taking_messages_as_they_come, "On 3 ranks, rank 0:"),
     (by_order_ignoring_the_order, "each activation once to rank + 1 and each gradient once to "
                                   "rank - 1, in your order"),
 ])

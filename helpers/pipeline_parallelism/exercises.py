@@ -127,9 +127,13 @@ EXERCISES = {
 
 
 def _order(rank, world_size, m, kind):
-    """A rank's order: GPipe's, 1F1B's, or every forward and then the backwards newest first."""
-    if kind == "reversed":
-        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    """A rank's order: GPipe's, 1F1B's, or every forward and then the backwards, oldest first on
+    an even rank and newest first on an odd one ("opposite"): neighbours then send each other
+    the micro-batches in another order than they take them, which only a step that matches each
+    message to its micro-batch gets right."""
+    if kind == "opposite":
+        backwards = range(m) if rank % 2 == 0 else reversed(range(m))
+        return [("F", i) for i in range(m)] + [("B", i) for i in backwards]
     return schedule_order(kind, rank, world_size, m)
 
 
@@ -141,12 +145,13 @@ def _order_sends(rank, world_size, seed, batch, m, width, kind):
 EXERCISES["pipeline_by_order"] = Exercise(
     "a pipeline step that runs any schedule: you get what one_f_one_b_step got and `order`, "
     "this rank's list of ('F', i) and ('B', i) (GPipe's, 1F1B's, or another order in which "
-    "every forward of a micro-batch comes before its backward on every rank). Run your "
-    "layer's forwards and backwards in that order and return the gradient of your `weight`, "
-    "equal to one process's; the step must not deadlock whatever the order, and each "
-    "activation goes once to rank + 1, each gradient once to rank - 1",
+    "every forward of a micro-batch comes before its backward on every rank; neighbours may "
+    "take their backwards in different orders). Run your layer's forwards and backwards in "
+    "that order and return the gradient of your `weight`, equal to one process's; the step "
+    "must finish for each order given, and each activation goes once to rank + 1, each "
+    "gradient once to rank - 1",
     [(2, (0, 4, 2, 3, "gpipe")), (3, (1, 6, 3, 4, "1f1b")), (4, (2, 8, 4, 5, "1f1b")),
-     (3, (5, 6, 3, 2, "reversed"))],
+     (3, (5, 6, 3, 2, "opposite"))],
     lambda rank, n, seed, batch, m, width, kind: _backward_expected(rank, n, seed, batch, m,
                                                                      width),
     inputs=lambda rank, n, seed, batch, m, width, kind: (

@@ -59,17 +59,17 @@ def one_f_one_b_step(rank, world_size, weight, micro_batches, num_micro_batches,
 def pipeline_by_order(rank, world_size, weight, micro_batches, num_micro_batches, shape, order):
     weight = weight.clone().requires_grad_()
     kept, sends = {}, []  # micro-batch -> (input, output); sends are waited for at the end
-    for kind, i in order:
-        if kind == "F":
+    for kind, i in order:  # each message tagged with its micro-batch: a neighbour's order may
+        if kind == "F":    # differ, and a receive must take micro-batch i's message
             if rank == 0:
                 x = micro_batches[i]
             else:
                 x = torch.empty(shape)
-                dist.recv(x, src=rank - 1)
+                dist.recv(x, src=rank - 1, tag=i)
                 x.requires_grad_()
             out = F.gelu(x @ weight)
             if rank < world_size - 1:
-                sends.append(dist.isend(out.detach(), dst=rank + 1))  # never wait here
+                sends.append(dist.isend(out.detach(), dst=rank + 1, tag=i))  # never wait here
             kept[i] = (x, out)
         else:
             x, out = kept.pop(i)
@@ -77,10 +77,10 @@ def pipeline_by_order(rank, world_size, weight, micro_batches, num_micro_batches
                 (out.square().mean() / num_micro_batches).backward()
             else:
                 grad = torch.empty(shape)
-                dist.recv(grad, src=rank + 1)
+                dist.recv(grad, src=rank + 1, tag=i)
                 out.backward(grad)
             if rank > 0:
-                sends.append(dist.isend(x.grad, dst=rank - 1))
+                sends.append(dist.isend(x.grad, dst=rank - 1, tag=i))
     for work in sends:
         work.wait()
     return weight.grad
