@@ -304,6 +304,8 @@ def sp_linear_gathering_the_batch(rank, world_size, x_tokens, weight_rows, grad_
 
 @pytest.mark.parametrize("name,mistake,says", [
     ("tp_mlp_forward", forward_with_the_bias_on_every_rank, "On 2 ranks, rank 0:"),
+    ("tp_mlp_forward", forward_with_the_bias_on_every_rank,
+     "Your output holds down's bias 2 times: every rank added it before the all_reduce"),
     ("tp_mlp_forward", forward_gathering_the_hidden_features,
      "Your code called dist.all_gather()."),
     ("tp_mlp_backward", backward_without_summing_x, "one all_reduce, of x's gradient"),

@@ -68,7 +68,8 @@ def _dp_tp_hint(got, expected, world_size, seed, tp):
                   "times. The loss is the mean over the whole batch: divide by its size, or "
                   "average over dp, not both or neither."),
              (1 / dp, f"each of your gradients is 1/dp = 1/{dp} of the whole batch's: is your "
-                      "slice's gradient summed over the dp group?"),
+                      "slice's gradient summed over the dp group? Or averaged twice: a loss "
+                      "divided by the whole batch's size, and then averaged over dp as well?"),
              (tp, f"each of your gradients is tp = {tp} times what it should be: is a sum over "
                   "the tp group done again in backward? The all-reduce that ends a region "
                   "(lesson 08's g) is the identity in backward; torch.distributed.nn.functional."

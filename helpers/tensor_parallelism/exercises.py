@@ -6,6 +6,7 @@ RowParallelLinear keep them. The expected results come from the dense MLP and au
 the kernel.
 """
 
+import torch
 import torch.nn.functional as F
 
 from helpers.exercises import Exercise
@@ -40,6 +41,17 @@ def _mlp_dense(seed, batch, h):
 
 def _forward_expected(rank, world_size, seed, batch, h):
     return _mlp_dense(seed, batch, h)[0]
+
+
+def _bias_hint(got, expected, world_size, seed, batch, h):
+    """The output with down's bias added on every rank before the all-reduce: n biases summed.
+    (The tolerance is a hint's, not the check's: float32 sums of 4h products.)"""
+    down_bias = _mlp(seed, batch, h)[4]
+    if isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.allclose(
+            got, expected + (world_size - 1) * down_bias, rtol=1e-4, atol=1e-5):
+        return (f"Your output holds down's bias {world_size} times: every rank added it before "
+                "the all_reduce, which then summed them. Add it once, after the sum.")
+    return None
 
 
 def _backward_expected(rank, world_size, seed, batch, h):
@@ -87,7 +99,8 @@ EXERCISES = {
         inputs=lambda rank, n, seed, batch, h: _mlp_shards(rank, n, seed, batch, h)[:5],
         rules=(Only("all_reduce", text="use one all_reduce and no other communication"),
                CallSizes("all_reduce", lambda n, seed, batch, h: [batch * h],
-                         text="one all_reduce, of the output (batch x h)"))),
+                         text="one all_reduce, of the output (batch x h)")),
+        hint_for=_bias_hint),
     "tp_mlp_backward": Exercise(
         "the same MLP, backward: you get what tp_mlp_forward got and `grad_z`, the gradient of "
         "the loss with respect to the MLP's output (batch x h, the same on every rank); return "
