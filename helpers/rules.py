@@ -101,6 +101,23 @@ class AtMostSends(Rule):
         return None
 
 
+class AtMostCollectives(Rule):
+    """Each rank makes at most `limit` collective calls (any of instrument.COLLECTIVES)."""
+
+    def __init__(self, limit: int, text: str):
+        super().__init__(text)
+        self.limit = limit
+
+    def broken_by(self, logs, world_size, args=(), finished=True):
+        for rank, calls in sorted(logs.items()):
+            made = [call.name for call in calls if call.name in COLLECTIVES]
+            if len(made) > self.limit:
+                return (f"{self.text}: rank {rank} made {_calls(len(made))} ({', '.join(made)}) "
+                        f"on {world_size} ranks, where {self.limit} "
+                        f"{'is' if self.limit == 1 else 'are'} enough.")
+        return None
+
+
 def sends(calls) -> list:
     """The ranks a rank sent to, in order, from its log."""
     peers = []

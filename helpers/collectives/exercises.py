@@ -4,7 +4,7 @@ import torch
 
 from helpers.exercises import Exercise
 from helpers.reference import seeded_randn
-from helpers.rules import Only
+from helpers.rules import AtMostCollectives, Only
 
 
 def _my_shard(rank, n, vector):
@@ -27,11 +27,12 @@ EXERCISES = {
     "mean_and_variance": Exercise(
         "you get `shard`, piece `rank` of a vector that no rank holds whole (the pieces may differ "
         "in length); return the mean and the (population) variance of the whole vector, as a "
-        "pair of Python floats",
+        "pair of Python floats, with one collective call",
         [(2, (seeded_randn(4, 12),)), (3, (seeded_randn(5, 10),)), (4, (seeded_randn(6, 10),)),
          (5, (seeded_randn(7, 11),))],
         lambda rank, n, vector: (float(vector.mean()), float(vector.var(unbiased=False))),
         inputs=_my_shard,
+        rules=(AtMostCollectives(1, text="one collective call"),),
         names=("the mean", "the variance")),
     "all_gather_from_all_reduce": Exercise(
         "you get `mine` = tensor([10.0 * rank - 15]); using only all_reduce, return the "
