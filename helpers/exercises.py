@@ -64,6 +64,8 @@ class Exercise:
     # repeat the same operations, as a resumed run's losses, asks for far less
     points: int = 1  # what it is worth when graded (helpers.grading): 1, 2 for one its notebook
     # calls harder, 3 for a design exercise, whose statement says what must hold, not how
+    by_hand: str = ""  # why the grader's sandbox cannot check it, where it cannot: its rows then
+    # say "by hand" and why, and the instructor runs the student's cell
 
     def worker(self, function, log_dir: str):
         """The worker that `run` starts: hands each rank its inputs and calls the learner's code,

@@ -324,3 +324,27 @@ def test_an_answer_takes_the_statements_it_needs_and_no_other():
                 "NotImplementedError\n\n\ncheck('f', my_f)", {"exercise": "f"})]
     assert not notebook_cells.answer(stub, "f").started
     assert notebook_cells.answer(cells, "g") is None
+
+
+def test_an_answer_the_sandbox_cannot_check_is_left_to_the_instructor_with_the_reason(tmp_path):
+    """Lesson 15's batch_script needs the Slurm cluster's root daemons: its row says "by hand",
+    0 points of 3, and why, whatever the answer; it never reads `failed` against the student.
+    (No sandbox starts: the other exercise is an untouched stub.)"""
+    stem = "15_on_a_cluster"
+    text = (COURSE / "notebooks" / f"{stem}.ipynb").read_text()
+    notebook = nbformat.reads(text if solutions_withheld() else
+                              release.notebook_for_students(text), as_version=4)
+    for cell in notebook.cells:  # (this lesson's stubs are named as the function, no my_)
+        if cell.metadata.get("exercise") == "batch_script":
+            cell.source = ("def batch_script(nodes, ranks_per_node):\n    return '#!/bin/bash'\n"
+                           '\n\ncheck("batch_script", batch_script)')
+    hand_in(tmp_path, "erin", notebook, stem=stem)
+    assert grading.grade(tmp_path, say=lambda line: None) == []
+    got = grades(tmp_path)
+    assert got[("erin", "batch_script")]["status"] == "by hand"
+    assert (got[("erin", "batch_script")]["points"],
+            got[("erin", "batch_script")]["max_points"]) == ("0", "3")
+    assert "Slurm cluster, whose daemons run as root" in got[("erin", "batch_script")]["message"]
+    assert got[("erin", "hostnames")]["status"] == "missing"
+    assert grading.grade(tmp_path, say=lambda line: None) == []  # graded: nothing left to do
+    assert len((tmp_path / "grades.csv").read_text().splitlines()) == 3

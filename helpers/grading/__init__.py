@@ -6,13 +6,15 @@
 `handed-in/<student>/<NN_name>.ipynb`: one folder per student, one notebook per lesson handed in,
 any subset. For each student, each lesson handed in and each of its exercises, the answer cell
 (found by its metadata, `cells.py`) and the cells it needs run in a sandbox of their own
-(`sandbox.py`), where the exercise's checker judges the function handed to `check`. One of five
+(`sandbox.py`), where the exercise's checker judges the function handed to `check`. One of six
 statuses is recorded:
 
     passed    the checker passed it                  failed   the checker's message says why
     error     a cell raised: the traceback, at the learner's line
     timeout   a hang the checker located, or the whole answer past its time limit
     missing   no answer cell, the notebook's stub untouched, or a notebook that cannot be read
+    by hand   an answer the sandbox cannot check (lesson 15's batch_script, which needs the
+              Slurm cluster's root daemons): 0 points until the instructor gives them
 
 It writes, in `handed-in/`:
 - `grades.csv`: student, lesson, exercise, points, max_points, status, seconds, message; a row
@@ -41,6 +43,8 @@ import time
 
 from helpers.grading import cells as notebook_cells
 from helpers.grading.sandbox import STATUSES, Limits, check_in_sandbox
+
+BY_HAND = "by hand"  # an answer the sandbox cannot check (Exercise.by_hand says why)
 
 COLUMNS = ("student", "lesson", "exercise", "points", "max_points", "status", "seconds",
            "message")
@@ -159,6 +163,10 @@ def _graded(student, lesson, cells, names, every, hide, limits) -> list:
         elif not found.started:
             rows[name] = {**row, "status": "missing", "message": "Not started: the function is "
                           "still the notebook's `raise NotImplementedError`."}
+        elif every[name].by_hand:
+            rows[name] = {**row, "status": BY_HAND, "message": f"Not graded here: "
+                          f"{every[name].by_hand}. Run the student's cell on a machine where "
+                          "it runs (docs/teaching.md), and give its points by hand."}
         else:
             rows[name] = row
             answers.append((name, found.cells))
@@ -176,7 +184,7 @@ def _read(path) -> list:
         return []
     with open(path, newline="") as file:
         return [row for row in csv.DictReader(file)
-                if None not in row.values() and row["status"] in (*STATUSES, "missing")]
+                if None not in row.values() and row["status"] in (*STATUSES, "missing", BY_HAND)]
 
 
 def _write(path, rows):
