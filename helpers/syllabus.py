@@ -9,12 +9,15 @@ committed notebook records: nbconvert's run, from the kernel taking the cell to 
 (`helpers.lessons.cell_seconds`). A lesson whose talk exceeds TALK_PER_SLOT minutes is split
 into two parts, at the section (`## `) boundary that halves it best. The ten-week plan gives each
 part one 80-minute slot, and the rest of the slot goes to questions and an exercise done in class.
-An exercise's hours are a model too, by its points (HOURS_PER_POINT): no cohort's times exist yet.
+An exercise's hours outside class are a cold reader's (COLD_READS): someone who read the lesson as a
+student, then did each exercise until its checker passed, counted the attempts and estimated a
+student's hours. No class has been timed yet.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
 import pathlib
 import re
@@ -30,7 +33,14 @@ WORDS_PER_MINUTE = 130  # a lecturer's unhurried rate
 SECONDS_PER_CELL = 20  # to show a code cell and say what it does, before it runs
 SLOT_MINUTES, SLOTS_PER_WEEK, WEEKS = 80, 2, 10
 TALK_PER_SLOT = 50  # of a slot's 80 minutes; the other 30 for questions and an exercise
-HOURS_PER_POINT = {1: 0.5, 2: 1.0, 3: 2.0}  # the model of an exercise's hours outside class
+COLD_READS = ROOT / "docs" / "cold_reads.csv"  # an exercise's hours, from a cold read of it
+
+
+def cold_reads() -> dict:
+    """{exercise: its row of COLD_READS}: lesson, exercise, hours (a student's, estimated by the
+    reader), attempts (the reader's runs of `check` until it passed), read_on, reader, basis."""
+    with open(COLD_READS, newline="") as file:
+        return {row["exercise"]: row for row in csv.DictReader(file)}
 
 
 @dataclass(frozen=True)
@@ -159,27 +169,33 @@ def render() -> str:
                      f"{sum(section.words for section in found)} | "
                      f"{sum(section.cells for section in found)} | "
                      f"{sum(section.run_seconds for section in found):.0f} | {can_do} |")
-    model = ", ".join(f"{hours:g} h for {points} point{'s' if points > 1 else ''}"
-                      for points, hours in HOURS_PER_POINT.items())
+    read = cold_reads()
+    readers = sorted({(row["read_on"], row["reader"]) for row in read.values()})
     lines += ["", "## Exercises", "",
               "Each lesson ends with checked exercises (`check(name, your_function)`); "
               "`make grade` grades them for a class (docs/teaching.md). Set the design exercises "
               "(their statement says what must hold, not which calls to make) and the harder ones "
-              "as homework; work a 1-point exercise in class. **Hours are a model, not a "
-              f"measurement**: {model}; no class has been timed yet.", "",
-              "| lesson | exercise | kind | points | hours (model) | set as |",
-              "|---|---|---|---|---|---|"]
+              "as homework; work a 1-point exercise in class. **The hours are a cold reader's "
+              "estimate**, from docs/cold_reads.csv: a reader who had read the lesson as a "
+              "student did each exercise until its checker passed, counted the attempts (runs of "
+              "`check`), and estimated the hours of a student who knows Python and PyTorch and is "
+              "new to `torch.distributed` (read on "
+              + "; ".join(f"{day} by {who}" for day, who in readers)
+              + "). No class has been timed yet: replace them with your class's.", "",
+              "| lesson | exercise | kind | points | hours (cold read) | reader's attempts | "
+              "set as |", "|---|---|---|---|---|---|---|"]
     for lesson in lessons():
         for name, exercise in every.items():
             if exercise.lesson != lesson.package:
                 continue
             kind = {3: "design", 2: "harder", 1: "core"}[exercise.points]
             lines.append(f"| {lesson.stem[:2]} | `{name}` | {kind} | {exercise.points} | "
-                         f"{HOURS_PER_POINT[exercise.points]:g} | "
+                         f"{float(read[name]['hours']):g} | {read[name]['attempts']} | "
                          f"{'homework' if exercise.points > 1 else 'in class'} |")
-    homework = sum(HOURS_PER_POINT[exercise.points] for exercise in every.values()
+    homework = sum(float(read[name]["hours"]) for name, exercise in every.items()
                    if exercise.points > 1)
-    lines += ["", f"Homework in all: {homework:g} hours over {WEEKS} weeks (model).", ""]
+    lines += ["", f"Homework in all: {homework:g} hours over {WEEKS} weeks (cold reads' "
+              "estimates).", ""]
     return "\n".join(lines)
 
 

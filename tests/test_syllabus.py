@@ -67,3 +67,26 @@ def test_the_minutes_shown_add_up_as_printed():
         mine = [minutes for row, minutes in zip(rows, shown) if row[2] == lesson]
         assert sum(mine) == round(minutes_recounted(lesson.stem)), lesson.stem
     assert f"; {sum(shown)} minutes of talk in all" in syllabus.render()
+
+
+def test_every_exercise_has_one_cold_read_and_the_homework_adds_up():
+    """docs/cold_reads.csv holds one row per exercise of the course, no other, each with hours
+    in quarters and the reader's attempts; the page's homework total is the sum of the design
+    and harder exercises' rows, recounted here from the file."""
+    import csv
+
+    from helpers.exercises import exercises
+
+    with open(ROOT / "docs" / "cold_reads.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    every = exercises()
+    assert sorted(row["exercise"] for row in rows) == sorted(every)
+    for row in rows:
+        hours = float(row["hours"])
+        assert hours > 0 and (hours * 4).is_integer(), row
+        assert int(row["attempts"]) >= 1 and row["basis"] and row["reader"], row
+        assert every[row["exercise"]].lesson.endswith(
+            next(lesson.package for lesson in lessons()
+                 if lesson.stem[:2] == row["lesson"]).split(".")[-1]), row
+    homework = sum(float(row["hours"]) for row in rows if every[row["exercise"]].points > 1)
+    assert f"Homework in all: {homework:g} hours" in syllabus.render()
