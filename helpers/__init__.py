@@ -19,8 +19,8 @@ import helpers.bfloat16
 
 helpers.bfloat16.install()  # nothing where PyTorch has fast bfloat16 kernels
 
-__all__ = ["RunResult", "WorkerError", "WorkerTimeout", "default_backend", "get_device", "run",
-           "spawn", "warm_up"]
+__all__ = ["RunResult", "WorkerError", "WorkerInterrupted", "WorkerTimeout", "default_backend",
+           "get_device", "run", "spawn", "warm_up"]
 
 
 def __getattr__(name):

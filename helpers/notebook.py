@@ -5,6 +5,7 @@ shown while the worker pool warms up, and the heartbeat of a cell that runs long
 """
 
 import inspect
+import sys
 import threading
 import time
 
@@ -102,9 +103,10 @@ HEARTBEAT = {"helpers": "heartbeat"}  # its output's metadata: `make notebooks` 
 
 class Heartbeat:
     """In a Jupyter kernel: a cell still running after `after` seconds shows, under what it has
-    printed so far, "still running: 7 s (Esc, I, I stops it)", counted up each second, and the
-    line is emptied as the cell ends. A progress bar says how far; this says that it is alive, in
-    every cell, the learner's own included. Its output carries HEARTBEAT in its metadata:
+    printed so far, "still running: 7 s (Esc, I, I stops it)", counted up each second, with what
+    a launch waits for ("ranks 0 and 1 of 2 have not returned; the timeout stops them in 53 s"),
+    and the line is emptied as the cell ends. A progress bar says how far; this says that it is
+    alive, in every cell, the learner's own included. Its output carries HEARTBEAT in its metadata:
     `without_heartbeats` drops it from a committed notebook (helpers.slides), and nbval compares
     cells without it (conftest.py), since whether it shows depends on the machine's speed."""
 
@@ -130,12 +132,15 @@ class Heartbeat:
 
     @staticmethod
     def _line(seconds):
-        text = f"still running: {seconds:.0f} s (Esc, I, I stops it)"
+        launch = sys.modules.get("helpers.launcher.launch")  # (not loaded: no launch waits)
+        waits = launch and launch.waiting()
+        text = (f"still running: {seconds:.0f} s" + (f": {waits}" if waits else "")
+                + " (Esc, I, I stops it)")
         return {"text/plain": text,
                 "text/html": f'<span class="helpers-heartbeat">&#8987; {text}</span>'}
 
     def _end(self, result=None):
-        if self._thread is not None:  # (none where the heartbeat began within a cell)
+        if self._thread is not None:
             self._stop.set()
             self._thread.join()
 
@@ -147,6 +152,7 @@ def keep_a_heartbeat():
     shell = get_ipython()
     if shell is not None and not hasattr(shell, "helpers_heartbeat"):
         shell.helpers_heartbeat = Heartbeat(shell)
+        shell.helpers_heartbeat._start()  # the cell that imported helpers beats too, from now
 
 
 def without_heartbeats(outputs: list) -> list:

@@ -463,7 +463,8 @@ def test_the_lesson_as_slides(lab, lesson):
 def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
     """docs/presenting.md's advice, in the slideshow: a launch whose ranks never return is
     interrupted by Esc, I, I (the shortcut helpers.present adds), long before the launcher's
-    timeout; the next launch then runs."""
+    timeout; while it waits, its heartbeat says for which ranks; interrupted, it says where each
+    rank was; the next launch then runs."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
@@ -497,6 +498,15 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
             # the workers have started and wait: the launch is under way, its prompt says [*]
             page.wait_for_timeout(8000)
             assert "[*]" in hung.query_selector(".jp-InputPrompt").inner_text()
+            # and its heartbeat says so, and, once the pool has started, for what it waits
+            # (helpers.notebook.Heartbeat)
+            try:
+                page.wait_for_function("cell => cell.innerText.includes('still running: ') && "
+                                       "cell.innerText.includes('ranks 0 and 1 of 2 have not "
+                                       "returned; the timeout stops them in')", arg=hung,
+                                       timeout=45_000)  # within run()'s 60 s
+            except PlaywrightTimeout:
+                pytest.fail(f"no heartbeat that names the ranks: {hung.inner_text()!r}")
             started = time.monotonic()
             page.keyboard.press("Escape")
             page.keyboard.press("i")
@@ -504,7 +514,10 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
             page.wait_for_function("cell => /\\[[0-9]+\\]/.test(cell.querySelector("
                                    "'.jp-InputPrompt').textContent)", arg=hung, timeout=20_000)
             stopped = time.monotonic() - started
-            assert "KeyboardInterrupt" in hung.inner_text()
+            said = hung.inner_text()  # where each rank was, and the heartbeat gone
+            assert "WorkerInterrupted: run() was interrupted after" in said, said
+            assert all(f"rank {rank}: in stuck at" in said for rank in (0, 1)), said
+            assert "time.sleep(600)" in said and "still running" not in said, said
             after.query_selector(".cm-content").click()
             page.keyboard.press("Control+Enter")
             try:

@@ -673,3 +673,67 @@ def test_a_script_without_a_main_guard_runs_once(how, tmp_path):
         env={**os.environ, "PYTHONPATH": REPO})
     assert completed.stdout.strip() == "[6.0, 6.0, 6.0]", completed.stderr
     assert "Traceback" not in completed.stderr, completed.stderr
+
+
+INTERRUPTED = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import torch, torch.distributed as dist
+    import helpers
+    from helpers import WorkerInterrupted, run
+    from helpers.launcher import launch
+
+    def deadlock(rank, world_size):
+        dist.recv(torch.zeros(1), src=1 - rank)
+
+    def spins(rank, world_size):
+        while rank == 1:
+            pass
+
+    def interrupt_the_group(after):
+        time.sleep(after)
+        print("waiting:", launch.waiting(), flush=True)
+        os.killpg(os.getpgid(0), signal.SIGINT)  # as Jupyter does: the ranks get it too
+
+    helpers.warm_up()
+    for worker in (deadlock, spins):
+        threading.Thread(target=interrupt_the_group, args=(2,), daemon=True).start()
+        try:
+            run(worker, 2, timeout=60, show_output=False)
+        except WorkerInterrupted as interrupted:
+            print(f"{worker.__name__}:", interrupted.where)
+        print("after:", launch.waiting(), flush=True)
+    """
+)
+
+
+def test_an_interrupted_launch_says_where_each_rank_was(tmp_path):
+    """Esc, I, I in Jupyter (SIGINT to the kernel's process group) or Ctrl-C in a shell, while the
+    ranks hang: WorkerInterrupted, a KeyboardInterrupt, names each unfinished rank's line, blocked
+    in a call or running its own Python; while it waited, `waiting()` said for what."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                               timeout=120, cwd=REPO, start_new_session=True)
+    lines = completed.stdout.splitlines()
+    source = INTERRUPTED.splitlines()
+    recv, spin = (source.index(line) + 1 for line in (
+        "    dist.recv(torch.zeros(1), src=1 - rank)", "    while rank == 1:"))
+    assert lines[0].startswith("waiting: ranks 0 and 1 of 2 have not returned; the timeout "
+                               "stops them in 5"), completed.stdout + completed.stderr
+    where = {"deadlock": {
+        rank: f'blocked in torch.distributed.recv(), called from deadlock at "{script}", line '
+              f"{recv}: dist.recv(torch.zeros(1), src=1 - rank)" for rank in (0, 1)},
+        "spins": {1: f'in spins at "{script}", line {spin}: while rank == 1:'}}
+    assert lines[1] == f"deadlock: {where['deadlock']}"
+    assert lines[2] == "after: None"
+    assert lines[3].startswith("waiting: rank 1 of 2 has not returned; the timeout stops it in 5")
+    assert lines[4] == f"spins: {where['spins']}"
+    assert lines[5] == "after: None"
+    assert issubclass(helpers_interrupted(), KeyboardInterrupt)
+
+
+def helpers_interrupted():
+    from helpers import WorkerInterrupted
+
+    return WorkerInterrupted

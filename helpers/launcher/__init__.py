@@ -21,10 +21,11 @@ warm_up(in_background=True, only_in_a_kernel=True)
 # The rest is loaded on first use, so that a rank, which imports `helpers` for its lessons'
 # modules, never loads the kernel-side launcher (tests/test_structure.py checks it).
 _HOMES = {"run": "launch", "spawn": "launch", "WorkerError": "report", "WorkerTimeout": "report",
-          "RunResult": "result", "default_backend": "result", "get_device": "result"}
+          "WorkerInterrupted": "report", "RunResult": "result", "default_backend": "result",
+          "get_device": "result"}
 
-__all__ = ["RunResult", "WorkerError", "WorkerTimeout", "default_backend", "get_device", "run",
-           "spawn", "warm_up"]
+__all__ = ["RunResult", "WorkerError", "WorkerInterrupted", "WorkerTimeout", "default_backend",
+           "get_device", "run", "spawn", "warm_up"]
 
 
 def __getattr__(name):

@@ -46,7 +46,7 @@ from helpers.launcher.pool import (
     main_module_kept_from_ranks,
     warm_up,
 )
-from helpers.launcher.report import WorkerError, WorkerTimeout
+from helpers.launcher.report import WorkerError, WorkerInterrupted, WorkerTimeout
 from helpers.launcher.result import GLOO_AND_NCCL, RunResult, default_backend, uses_nccl
 from helpers.launcher.torchrun import run_in_place
 
@@ -163,7 +163,11 @@ def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_
     try:
         for job.attempt in range(1 + JOIN_RETRIES):
             processes, connections = _start(job, start_method)
-            messages, died, unfinished = _collect(processes, connections, started + timeout)
+            messages, died = {}, {}
+            try:
+                unfinished = _collect(processes, connections, started + timeout, messages, died)
+            except KeyboardInterrupt:
+                _interrupted(processes, out_dir, started, messages, died, show_output)
             if not _join_failed(messages) or job.attempt == JOIN_RETRIES:
                 break
             _stop(processes, connections)
@@ -179,6 +183,17 @@ def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_
     finally:
         _stop(processes, connections)
         shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _interrupted(processes, out_dir, started, messages, died, show_output):
+    """The learner interrupted the wait (Esc, I, I; Ctrl-C): raise WorkerInterrupted, which says
+    where each rank that had not returned was, from its stack, as a timeout does."""
+    seconds = time.monotonic() - started
+    unfinished = [rank for rank in range(len(processes)) if rank not in messages | died]
+    stacks = _dump_stacks(processes, unfinished, out_dir) if unfinished else {}
+    if show_output:
+        report.print_outputs(report.read_outputs(out_dir, len(processes)))
+    raise WorkerInterrupted(seconds, stacks, messages, died, len(processes)) from None
 
 
 def _warn_ignored_under_torchrun(world_size, show_output, env, threads_per_rank):
@@ -281,17 +296,29 @@ def _start(job: _rank.Job, start_method: str):
     return context.processes, list(receivers)
 
 
-def _collect(processes, connections, deadline):
+def _collect(processes, connections, deadline, messages: dict, died: dict) -> list:
     """Wait for one message per rank, reading each as soon as it arrives; watch for deaths.
 
-    Returns (messages, died, unfinished): rank -> message, rank -> exit code of a rank that ended
-    without a word, and the ranks still running at the deadline (empty unless it timed out).
+    Fills `messages` (rank -> message) and `died` (rank -> exit code of a rank that ended without
+    a word) as they come, so that what arrived survives an interrupt; returns the ranks still
+    running at the deadline (empty unless it timed out). A rank already in either is not waited
+    for. While it waits, `waiting()` says for what (the cell's heartbeat shows it).
     """
-    messages, died = {}, {}
-    pending = {connection: rank for rank, connection in enumerate(connections)}
+    global _waiting
+    try:
+        return _wait_for_messages(processes, connections, deadline, messages, died)
+    finally:
+        _waiting = None
+
+
+def _wait_for_messages(processes, connections, deadline, messages, died) -> list:
+    global _waiting
+    pending = {connection: rank for rank, connection in enumerate(connections)
+               if rank not in messages and rank not in died}
     sentinel_rank = {process.sentinel: rank for rank, process in enumerate(processes)}
     first_error = None
     while pending:
+        _waiting = (len(connections), tuple(sorted(pending.values())), deadline)
         now = time.monotonic()
         limit = deadline if first_error is None else min(deadline, first_error + ERROR_GRACE_S)
         if now >= limit:
@@ -314,10 +341,27 @@ def _collect(processes, connections, deadline):
                 died[rank] = processes[rank].exitcode
             if rank in died or messages[rank][0] != "ok":
                 if messages.get(rank, ("",))[0] == "init_error":
-                    return messages, died, []  # no worker code has run there: retry at once
+                    return []  # no worker code has run there: retry at once
                 first_error = first_error if first_error is not None else time.monotonic()
     timed_out = first_error is None and pending
-    return messages, died, sorted(pending.values()) if timed_out else []
+    return sorted(pending.values()) if timed_out else []
+
+
+_waiting = None  # (world size, the ranks not yet returned, the deadline) while _collect waits
+
+
+def waiting() -> str | None:
+    """What this kernel's launch waits for, as a sentence, or None when none waits: "ranks 0 and
+    2 of 4 have not returned; the timeout stops them in 23 s"."""
+    now = _waiting
+    if now is None:
+        return None
+    world_size, ranks, deadline = now
+    named = (f"rank {ranks[0]}" if len(ranks) == 1 else
+             "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}")
+    return (f"{named} of {world_size} {'has' if len(ranks) == 1 else 'have'} not returned; "
+            f"the timeout stops {'it' if len(ranks) == 1 else 'them'} in "
+            f"{max(0.0, deadline - time.monotonic()):.0f} s")
 
 
 def _dump_stacks(processes, ranks, out_dir) -> dict:

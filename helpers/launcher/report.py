@@ -109,19 +109,37 @@ class WorkerTimeout(TimeoutError):
     def __init__(self, timeout, stacks: dict, messages: dict, died: dict, world_size: int):
         self.timeout, self.stacks = timeout, stacks
         self.where = {rank: where_blocked(text) for rank, text in stacks.items()}
-        lines = [f"run() did not finish within {timeout:g} s, so every rank was stopped. "
-                 "Where each rank was:"]
-        for rank in range(world_size):
-            if rank in self.where:
-                lines.append(f"  rank {rank}: {self.where[rank]}")
-            elif rank in died:
-                lines.append(f"  rank {rank}: {_death(died[rank])}")
-            elif messages.get(rank, ("ok",))[0] != "ok":
-                lines.append(f"  rank {rank}: raised {messages[rank][1].type_name}: "
-                             f"{tidy_message(messages[rank][1].message)}")
-            else:
-                lines.append(f"  rank {rank}: finished")
-        super().__init__("\n".join(lines))
+        super().__init__("\n".join(
+            [f"run() did not finish within {timeout:g} s, so every rank was stopped. Where each "
+             "rank was:"] + _where_each_rank(self.where, messages, died, world_size)))
+
+
+class WorkerInterrupted(KeyboardInterrupt):
+    """The learner interrupted the run (Esc, I, I in Jupyter; Ctrl-C in a shell). Says where each
+    unfinished rank was, from its stack (the ranks ignore the interrupt, which Jupyter sends to
+    the whole process group: they inherit the worker pool's SIG_IGN, and are stopped here)."""
+
+    def __init__(self, seconds, stacks: dict, messages: dict, died: dict, world_size: int):
+        self.seconds, self.stacks = seconds, stacks
+        self.where = {rank: where_blocked(text) for rank, text in stacks.items()}
+        super().__init__("\n".join(
+            [f"run() was interrupted after {seconds:.0f} s, so every rank was stopped. Where "
+             "each rank was:"] + _where_each_rank(self.where, messages, died, world_size)))
+
+
+def _where_each_rank(where: dict, messages: dict, died: dict, world_size: int) -> list:
+    lines = []
+    for rank in range(world_size):
+        if rank in where:
+            lines.append(f"  rank {rank}: {where[rank]}")
+        elif rank in died:
+            lines.append(f"  rank {rank}: {_death(died[rank])}")
+        elif messages.get(rank, ("ok",))[0] != "ok":
+            lines.append(f"  rank {rank}: raised {messages[rank][1].type_name}: "
+                         f"{tidy_message(messages[rank][1].message)}")
+        else:
+            lines.append(f"  rank {rank}: finished")
+    return lines
 
 
 def read_outputs(out_dir: str, world_size: int) -> list:
