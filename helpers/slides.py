@@ -37,8 +37,9 @@ WIDGET = 320  # a widget's area
 # jupyterlab-rise's settings, in the notebook's metadata["rise"]: a sub-slide taller than the
 # screen scrolls; each starts at the screen's top (centred, one whose cells grow as they run live
 # would stay where its committed height put it, its end below the screen); and the next one is
-# simply there, without sliding in (a code-heavy slide is read, not watched while it moves).
-RISE = {"scroll": True, "center": False, "transition": "none"}
+# simply there, without sliding in (a code-heavy slide is read, not watched while it moves); and
+# each shows its number of the lesson's sub-slides ("12 / 57": notebooks/rise.css sizes it).
+RISE = {"scroll": True, "center": False, "transition": "none", "slideNumber": "c/t"}
 
 
 def markdown_height(source: str) -> int:

@@ -252,7 +252,10 @@ MEASURE = f"""() => {{
     const size = parseFloat(getComputedStyle(node.parentElement).fontSize);
     if (size < prose[0]) prose = [size, node.textContent.trim().slice(0, 40)];
   }}
-  return {{height: present.scrollHeight, scrolls: present.scrollHeight > present.clientHeight + 1,
+  const number = document.querySelector('.reveal .slide-number');
+  return {{number: number && getComputedStyle(number).display !== 'none' ? [number.innerText.trim(),
+          parseFloat(getComputedStyle(number.querySelector('span') || number).fontSize)] : null,
+          height: present.scrollHeight, scrolls: present.scrollHeight > present.clientHeight + 1,
           bottom: present.getBoundingClientRect().bottom, hash: window.location.hash,
           wide: wide, broken: broken, smallest: smallest, prose: prose}};
 }}"""
@@ -407,7 +410,7 @@ def test_the_lesson_as_slides(lab, lesson):
     cells = json.loads(lesson.read_text())["cells"]
     plan = [sub_slide for slide in slides.slides(cells) for sub_slide in slide]
     places = [(h, v) for h, slide in enumerate(slides.slides(cells)) for v in range(len(slide))]
-    too_tall, scrolled, too_wide, broken, widget = [], [], [], [], None
+    too_tall, scrolled, too_wide, broken, numbers, widget = [], [], [], [], [], None
     smallest = prose = (1000, "")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -425,6 +428,7 @@ def test_the_lesson_as_slides(lab, lesson):
                 expected = f"#/slide-{places[index][0]}-{places[index][1]}"
                 assert measured["hash"] == expected or index == 0 and measured["hash"] in (
                     "", "#/"), (index, expected, measured["hash"])
+                numbers.append(measured["number"])
                 too_wide += [(index, *output) for output in measured["wide"]]
                 broken += [(index, word) for word in measured["broken"]]
                 smallest = min(smallest, tuple(measured["smallest"]))
@@ -454,6 +458,10 @@ def test_the_lesson_as_slides(lab, lesson):
     assert too_tall == []
     assert too_wide == []
     assert broken == []
+    # each sub-slide shows its number of the lesson's, at the code's size or larger
+    assert [number[0] if number else None for number in numbers] == [
+        f"{index + 1} / {len(plan)}" for index in range(len(plan))], numbers
+    assert min(number[1] for number in numbers) >= CODE_PX, numbers
     assert smallest[0] >= CODE_PX, smallest
     assert prose[0] >= PROSE_PX, prose
     assert widget is None or widget[2], widget
