@@ -242,14 +242,23 @@ def backward_without_dividing_by_m(rank, world_size, weight, micro_batches, num_
     return weight.grad
 
 
-def by_order_with_blocking_sends(rank, world_size, weight, micro_batches, m, shape, order):
-    """The step in `order`, with blocking sends: in 1F1B's steady phase neighbours both send."""
+def untagged_step(rank, world_size, weight, micro_batches, m, shape, order, blocking):
+    """The step in `order` with untagged messages: a receive takes the next message from its
+    neighbour, whichever micro-batch it carries. With blocking sends, in 1F1B's steady phase
+    neighbours both send (a deadlock); with isend, it is right only where neighbours take the
+    micro-batches in the same order."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    def send(tensor, dst):
+        if blocking:
+            dist.send(tensor, dst=dst)
+        else:
+            sends.append(dist.isend(tensor, dst=dst))
+
     weight = weight.clone().requires_grad_()
-    kept = {}
+    kept, sends = {}, []
     for kind, i in order:
         if kind == "F":
             x = micro_batches[i] if rank == 0 else torch.empty(shape)
@@ -258,7 +267,7 @@ def by_order_with_blocking_sends(rank, world_size, weight, micro_batches, m, sha
                 x.requires_grad_()
             out = F.gelu(x @ weight)
             if rank < world_size - 1:
-                dist.send(out.detach(), dst=rank + 1)  # neighbours both send: a deadlock
+                send(out.detach(), rank + 1)
             kept[i] = (x, out)
         else:
             x, out = kept.pop(i)
@@ -269,8 +278,19 @@ def by_order_with_blocking_sends(rank, world_size, weight, micro_batches, m, sha
                 dist.recv(grad, src=rank + 1)
                 out.backward(grad)
             if rank > 0:
-                dist.send(x.grad, dst=rank - 1)
+                send(x.grad, rank - 1)
+    for work in sends:
+        work.wait()
     return weight.grad
+
+
+def by_order_with_blocking_sends(rank, world_size, weight, micro_batches, m, shape, order):
+    return untagged_step(rank, world_size, weight, micro_batches, m, shape, order, blocking=True)
+
+
+def by_order_taking_messages_as_they_come(rank, world_size, weight, micro_batches, m, shape,
+                                          order):
+    return untagged_step(rank, world_size, weight, micro_batches, m, shape, order, blocking=False)
 
 
 def one_f_one_b_with_blocking_sends(rank, world_size, weight, micro_batches, m, shape):
@@ -296,40 +316,6 @@ def by_order_ignoring_the_order(rank, world_size, weight, micro_batches, m, shap
     from helpers.pipeline_parallelism import solutions
     gpipe = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     return solutions.pipeline_by_order(rank, world_size, weight, micro_batches, m, shape, gpipe)
-
-
-def by_order_taking_messages_as_they_come(rank, world_size, weight, micro_batches, m, shape,
-                                          order):
-    """Right where neighbours take the micro-batches in the same order; where they do not, a
-    receive takes another micro-batch's message (untagged)."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    weight = weight.clone().requires_grad_()
-    kept, sends = {}, []
-    for kind, i in order:
-        if kind == "F":
-            x = micro_batches[i] if rank == 0 else torch.empty(shape)
-            if rank > 0:
-                dist.recv(x, src=rank - 1)
-                x.requires_grad_()
-            out = F.gelu(x @ weight)
-            if rank < world_size - 1:
-                sends.append(dist.isend(out.detach(), dst=rank + 1))
-            kept[i] = (x, out)
-        else:
-            x, out = kept.pop(i)
-            if rank == world_size - 1:
-                (out.square().mean() / m).backward()
-            else:
-                grad = torch.empty(shape)
-                dist.recv(grad, src=rank + 1)
-                out.backward(grad)
-            if rank > 0:
-                sends.append(dist.isend(x.grad, dst=rank - 1))
-    for work in sends:
-        work.wait()
-    return weight.grad
 
 
 @pytest.mark.parametrize("mistake, says", [

@@ -103,28 +103,36 @@ HINTS = [
 ]
 
 
-class WorkerTimeout(TimeoutError):
+class _StoppedRanks:
+    """What a timeout and an interrupt both say: why every rank was stopped, then where each one
+    was (`where`: rank -> where its stack shows it blocked)."""
+
+    def __init__(self, why: str, stacks: dict, messages: dict, died: dict, world_size: int):
+        self.stacks = stacks
+        self.where = {rank: where_blocked(text) for rank, text in stacks.items()}
+        super().__init__("\n".join(
+            [f"run() {why}, so every rank was stopped. Where each rank was:"]
+            + _where_each_rank(self.where, messages, died, world_size)))
+
+
+class WorkerTimeout(_StoppedRanks, TimeoutError):
     """The run outlived its timeout. Says where each unfinished rank was blocked."""
 
     def __init__(self, timeout, stacks: dict, messages: dict, died: dict, world_size: int):
-        self.timeout, self.stacks = timeout, stacks
-        self.where = {rank: where_blocked(text) for rank, text in stacks.items()}
-        super().__init__("\n".join(
-            [f"run() did not finish within {timeout:g} s, so every rank was stopped. Where each "
-             "rank was:"] + _where_each_rank(self.where, messages, died, world_size)))
+        self.timeout = timeout
+        super().__init__(f"did not finish within {timeout:g} s", stacks, messages, died,
+                         world_size)
 
 
-class WorkerInterrupted(KeyboardInterrupt):
+class WorkerInterrupted(_StoppedRanks, KeyboardInterrupt):
     """The learner interrupted the run (Esc, I, I in Jupyter; Ctrl-C in a shell). Says where each
     unfinished rank was, from its stack (the ranks ignore the interrupt, which Jupyter sends to
     the whole process group: they inherit the worker pool's SIG_IGN, and are stopped here)."""
 
     def __init__(self, seconds, stacks: dict, messages: dict, died: dict, world_size: int):
-        self.seconds, self.stacks = seconds, stacks
-        self.where = {rank: where_blocked(text) for rank, text in stacks.items()}
-        super().__init__("\n".join(
-            [f"run() was interrupted after {seconds:.0f} s, so every rank was stopped. Where "
-             "each rank was:"] + _where_each_rank(self.where, messages, died, world_size)))
+        self.seconds = seconds
+        super().__init__(f"was interrupted after {seconds:.0f} s", stacks, messages, died,
+                         world_size)
 
 
 def _where_each_rank(where: dict, messages: dict, died: dict, world_size: int) -> list:
