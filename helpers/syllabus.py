@@ -179,9 +179,10 @@ def render() -> str:
               "estimate**, from docs/cold_reads.csv: a reader who had read the lesson as a "
               "student did each exercise until its checker passed, counted the attempts (runs of "
               "`check`), and estimated the hours of a student who knows Python and PyTorch and is "
-              "new to `torch.distributed` (read on "
-              + "; ".join(f"{day} by {who}" for day, who in readers)
-              + "). No class has been timed yet: replace them with your class's.", "",
+              "new to `torch.distributed`; each row of the file says what the estimate rests on "
+              "(for lesson 04's, the task alone: its reader saw the checker's code first). Read "
+              "on " + "; ".join(f"{day} by {who}" for day, who in readers)
+              + ". No class has been timed yet: replace them with your class's.", "",
               "| lesson | exercise | kind | points | hours (cold read) | reader's attempts | "
               "set as |", "|---|---|---|---|---|---|---|"]
     for lesson in lessons():

@@ -693,7 +693,8 @@ INTERRUPTED = textwrap.dedent(
     def interrupt_the_group(after):
         time.sleep(after)
         print("waiting:", launch.waiting(), flush=True)
-        os.killpg(os.getpgid(0), signal.SIGINT)  # as Jupyter does: the ranks get it too
+        os.killpg(os.getpgid(0), signal.SIGINT)  # as Jupyter does (the ranks have groups of
+        # their own: it reaches the launcher and the pool)
 
     helpers.warm_up()
     for worker in (deadlock, spins):

@@ -126,8 +126,9 @@ class WorkerTimeout(_StoppedRanks, TimeoutError):
 
 class WorkerInterrupted(_StoppedRanks, KeyboardInterrupt):
     """The learner interrupted the run (Esc, I, I in Jupyter; Ctrl-C in a shell). Says where each
-    unfinished rank was, from its stack (the ranks ignore the interrupt, which Jupyter sends to
-    the whole process group: they inherit the worker pool's SIG_IGN, and are stopped here)."""
+    unfinished rank was, from its stack. The interrupt, which Jupyter sends to the kernel's
+    process group, does not reach the ranks (each leaves for a group of its own: rank.rank_main):
+    they are stopped here."""
 
     def __init__(self, seconds, stacks: dict, messages: dict, died: dict, world_size: int):
         self.seconds = seconds

@@ -142,7 +142,7 @@ EXERCISES["batch_script"] = Exercise(
     rel_tol=0.0,  # the same operations in the same order as the torchrun run: equal, bit for bit
     points=3,
     by_hand="it submits jobs to the lesson's Slurm cluster, whose daemons run as root, and the "
-            "grader's sandbox runs answers as another user, with no network",
+            "grader's sandbox runs answers as another user, with no network but its own loopback",
 )
 
 

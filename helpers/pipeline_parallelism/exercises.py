@@ -128,8 +128,8 @@ EXERCISES = {
 
 def _order(rank, world_size, m, kind):
     """A rank's order: GPipe's, 1F1B's, or every forward and then the backwards, oldest first on
-    an even rank and newest first on an odd one ("opposite"): neighbours then send each other
-    the micro-batches in another order than they take them, which only a step that matches each
+    an even rank and newest first on an odd one ("opposite"): each rank then receives its
+    outputs' gradients in another order than it takes them, which only a step that matches each
     message to its micro-batch gets right."""
     if kind == "opposite":
         backwards = range(m) if rank % 2 == 0 else reversed(range(m))
