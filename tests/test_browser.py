@@ -346,6 +346,19 @@ def _run_in_kernel(base, token, runtime_dir, lesson, sources):
         client.stop_channels()
 
 
+def _picture_settles(page, cell, still_for=3, every_ms=300, tries=100):
+    """Wait until the widget's picture has not changed for `still_for` looks in a row."""
+    source, same = None, 0
+    for _ in range(tries):
+        now = cell.query_selector(".widget-output img").get_attribute("src")
+        same = same + 1 if now == source else 0
+        if same == still_for:
+            return
+        source = now
+        page.wait_for_timeout(every_ms)
+    raise AssertionError(f"the widget's picture kept changing for {tries * every_ms / 1000} s")
+
+
 def _move_a_widget(page, base, token, runtime_dir, lesson, cells, plan):
     """Run the lesson's first widget live in the slides, drag its first slider: do its value and
     its picture change? Returns, for the record, the widget's sub-slide (its index in `plan`),
@@ -388,6 +401,11 @@ def _move_a_widget(page, base, token, runtime_dir, lesson, cells, plan):
         "([cell, before]) => { const image = cell.querySelector('.widget-output img');"
         " return image && image.getAttribute('src') !== before; }", arg=[cell, before],
         timeout=60_000)
+    # That is the first redraw the drag asked for, perhaps of a value it passed through. The
+    # kernel takes messages in order: once it has run one more, every redraw is drawn, and the
+    # last picture to arrive is the slider's final value's.
+    _run_in_kernel(base, token, runtime_dir, lesson, ["pass"])
+    _picture_settles(page, cell)
     moved = cell.query_selector(".widget-readout").inner_text()
     assert moved != step, (step, moved)  # the slider moved, and the picture with it
     _screenshot(page, f"{lesson[:2]}_slides_widget_after")

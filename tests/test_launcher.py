@@ -698,11 +698,13 @@ INTERRUPTED = textwrap.dedent(
 
     helpers.warm_up()
     for worker in (deadlock, spins):
-        threading.Thread(target=interrupt_the_group, args=(2,), daemon=True).start()
+        threading.Thread(target=interrupt_the_group, args=(3,), daemon=True).start()
         try:
             run(worker, 2, timeout=60, show_output=False)
         except WorkerInterrupted as interrupted:
             print(f"{worker.__name__}:", interrupted.where)
+        except BaseException as other:  # for the test's message
+            print(f"{worker.__name__}: {type(other).__name__}: {other}")
         print("after:", launch.waiting(), flush=True)
     """
 )
@@ -716,21 +718,23 @@ def test_an_interrupted_launch_says_where_each_rank_was(tmp_path):
     script.write_text(INTERRUPTED)
     completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                                timeout=120, cwd=REPO, start_new_session=True)
-    lines = completed.stdout.splitlines()
+    lines = completed.stdout.splitlines() + [""] * 6  # (short of lines: the asserts say what)
+    said = completed.stdout + completed.stderr
     source = INTERRUPTED.splitlines()
     recv, spin = (source.index(line) + 1 for line in (
         "    dist.recv(torch.zeros(1), src=1 - rank)", "    while rank == 1:"))
     assert lines[0].startswith("waiting: ranks 0 and 1 of 2 have not returned; the timeout "
-                               "stops them in 5"), completed.stdout + completed.stderr
+                               "stops them in 5"), said
     where = {"deadlock": {
         rank: f'blocked in torch.distributed.recv(), called from deadlock at "{script}", line '
               f"{recv}: dist.recv(torch.zeros(1), src=1 - rank)" for rank in (0, 1)},
         "spins": {1: f'in spins at "{script}", line {spin}: while rank == 1:'}}
-    assert lines[1] == f"deadlock: {where['deadlock']}"
-    assert lines[2] == "after: None"
-    assert lines[3].startswith("waiting: rank 1 of 2 has not returned; the timeout stops it in 5")
-    assert lines[4] == f"spins: {where['spins']}"
-    assert lines[5] == "after: None"
+    assert lines[1] == f"deadlock: {where['deadlock']}", said
+    assert lines[2] == "after: None", said
+    assert lines[3].startswith("waiting: rank 1 of 2 has not returned; the timeout stops it in "
+                               "5"), said
+    assert lines[4] == f"spins: {where['spins']}", said
+    assert lines[5] == "after: None", said
     assert issubclass(helpers_interrupted(), KeyboardInterrupt)
 
 

@@ -360,10 +360,11 @@ def test_rank_code_takes_its_device_from_the_launcher():
 
 # Where code may read a clock, hook the tensors autograd saves, or patch torch.distributed: the
 # course's observer and timing harness; lessons 01-03, which teach timing and collectives by hand;
-# the launcher, which times out processes, and the grader, which times out sandboxes. Everywhere
-# else these go through instrument.py and timing.py, so that one definition of "how long" and one
-# way of watching hold.
-MAY_INSTRUMENT = re.compile(r"helpers\.(instrument|timing|launcher(\..+)?|grading(\..+)?"
+# the launcher, which times out processes, the grader, which times out sandboxes, and a cell's
+# heartbeat (notebook.py), which counts the seconds a cell has run. Everywhere else these go
+# through instrument.py and timing.py, so that one definition of "how long" and one way of
+# watching hold.
+MAY_INSTRUMENT = re.compile(r"helpers\.(instrument|timing|notebook|launcher(\..+)?|grading(\..+)?"
                             r"|processes_and_groups\..+|point_to_point\..+|collectives\..+)$")
 CLOCKS = {"perf_counter", "perf_counter_ns", "time", "time_ns", "monotonic", "monotonic_ns",
           "process_time"}

@@ -159,19 +159,19 @@ def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_
         pass_world_size=pass_world_size, environ=_rank_environ(env or {}, init_group),
         sys_path=list(sys.path), cwd=os.getcwd(),
     )
-    processes, connections = [], []
+    processes, connections, messages, died = [], [], {}, {}
     try:
-        for job.attempt in range(1 + JOIN_RETRIES):
-            processes, connections = _start(job, start_method)
-            messages, died = {}, {}
-            try:
+        try:
+            for job.attempt in range(1 + JOIN_RETRIES):
+                processes, connections, messages, died = [], [], {}, {}
+                processes, connections = _start(job, start_method)
                 unfinished = _collect(processes, connections, started + timeout, messages, died)
-            except KeyboardInterrupt:
-                _interrupted(processes, out_dir, started, messages, died, show_output)
-            if not _join_failed(messages) or job.attempt == JOIN_RETRIES:
-                break
-            _stop(processes, connections)
-            report.clear_outputs(out_dir, world_size)
+                if not _join_failed(messages) or job.attempt == JOIN_RETRIES:
+                    break
+                _stop(processes, connections)
+                report.clear_outputs(out_dir, world_size)
+        except KeyboardInterrupt:
+            _interrupted(processes, world_size, out_dir, started, messages, died, show_output)
         stacks = _dump_stacks(processes, unfinished, out_dir) if unfinished else {}
         outputs = report.read_outputs(out_dir, world_size)
         if show_output:
@@ -185,15 +185,17 @@ def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
-def _interrupted(processes, out_dir, started, messages, died, show_output):
-    """The learner interrupted the wait (Esc, I, I; Ctrl-C): raise WorkerInterrupted, which says
-    where each rank that had not returned was, from its stack, as a timeout does."""
+def _interrupted(processes, world_size, out_dir, started, messages, died, show_output):
+    """The learner interrupted the launch (Esc, I, I; Ctrl-C): raise WorkerInterrupted, which says
+    where each rank that had not returned was, from its stack, as a timeout does. (Interrupted
+    while the ranks were being started, there are none to ask: each is then "not started".)"""
     seconds = time.monotonic() - started
     unfinished = [rank for rank in range(len(processes)) if rank not in messages | died]
     stacks = _dump_stacks(processes, unfinished, out_dir) if unfinished else {}
+    stacks.update({rank: report.NOT_STARTED for rank in range(len(processes), world_size)})
     if show_output:
-        report.print_outputs(report.read_outputs(out_dir, len(processes)))
-    raise WorkerInterrupted(seconds, stacks, messages, died, len(processes)) from None
+        report.print_outputs(report.read_outputs(out_dir, world_size))
+    raise WorkerInterrupted(seconds, stacks, messages, died, world_size) from None
 
 
 def _warn_ignored_under_torchrun(world_size, show_output, env, threads_per_rank):

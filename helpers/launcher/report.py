@@ -206,11 +206,14 @@ def format_traceback(frames, type_name, message, rank) -> str:
 
 # What launch._dump_stacks gives for a rank whose process is stopped: it cannot dump its stack.
 STOPPED = "(the process is stopped)"
+NOT_STARTED = "(the process was not started)"  # a rank an interrupt kept from starting
 
 
 def where_blocked(stack_dump: str) -> str:
     """Turn a faulthandler dump into 'blocked in torch.distributed.send(), called from worker at
     <file>, line <n>: <source>'."""
+    if stack_dump == NOT_STARTED:
+        return "not started yet: the launch was interrupted while it started the ranks"
     if stack_dump == STOPPED:
         return ("stopped (by SIGSTOP, or a debugger): it runs no code, so it cannot say where it "
                 "is; its sockets stay open, and its peers wait")
