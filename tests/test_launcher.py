@@ -677,30 +677,37 @@ def test_a_script_without_a_main_guard_runs_once(how, tmp_path):
 
 INTERRUPTED = textwrap.dedent(
     """
-    import os, signal, sys, threading, time
+    import os, signal, sys, tempfile, threading, time
     import torch, torch.distributed as dist
     import helpers
     from helpers import WorkerInterrupted, run
     from helpers.launcher import launch
 
+    FLAGS = tempfile.mkdtemp()  # each rank leaves a file as it reaches the line it hangs at
+
     def deadlock(rank, world_size):
+        open(os.path.join(FLAGS, f"deadlock{rank}"), "w").close()
         dist.recv(torch.zeros(1), src=1 - rank)
 
     def spins(rank, world_size):
+        open(os.path.join(FLAGS, f"spins{rank}"), "w").close()
         while rank == 1:
             pass
 
-    def interrupt_the_group(after):
-        time.sleep(after)
+    def interrupt_the_group(name, ranks):
+        while not all(os.path.exists(os.path.join(FLAGS, f"{name}{rank}")) for rank in ranks):
+            time.sleep(0.1)
+        time.sleep(0.5)  # from the file to the line
         print("waiting:", launch.waiting(), flush=True)
         os.killpg(os.getpgid(0), signal.SIGINT)  # as Jupyter does (the ranks have groups of
         # their own: it reaches the launcher and the pool)
 
     helpers.warm_up()
-    for worker in (deadlock, spins):
-        threading.Thread(target=interrupt_the_group, args=(3,), daemon=True).start()
+    for worker, ranks in ((deadlock, (0, 1)), (spins, (1,))):
+        threading.Thread(target=interrupt_the_group, args=(worker.__name__, ranks),
+                         daemon=True).start()
         try:
-            run(worker, 2, timeout=60, show_output=False)
+            run(worker, 2, timeout=100, show_output=False)
         except WorkerInterrupted as interrupted:
             print(f"{worker.__name__}:", interrupted.where)
         except BaseException as other:  # for the test's message
@@ -717,14 +724,14 @@ def test_an_interrupted_launch_says_where_each_rank_was(tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED)
     completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                               timeout=120, cwd=REPO, start_new_session=True)
+                               timeout=180, cwd=REPO, start_new_session=True)
     lines = completed.stdout.splitlines() + [""] * 6  # (short of lines: the asserts say what)
     said = completed.stdout + completed.stderr
     source = INTERRUPTED.splitlines()
     recv, spin = (source.index(line) + 1 for line in (
         "    dist.recv(torch.zeros(1), src=1 - rank)", "    while rank == 1:"))
     assert lines[0].startswith("waiting: ranks 0 and 1 of 2 have not returned; the timeout "
-                               "stops them in 5"), said
+                               "stops them in "), said
     where = {"deadlock": {
         rank: f'blocked in torch.distributed.recv(), called from deadlock at "{script}", line '
               f"{recv}: dist.recv(torch.zeros(1), src=1 - rank)" for rank in (0, 1)},
@@ -732,7 +739,7 @@ def test_an_interrupted_launch_says_where_each_rank_was(tmp_path):
     assert lines[1] == f"deadlock: {where['deadlock']}", said
     assert lines[2] == "after: None", said
     assert lines[3].startswith("waiting: rank 1 of 2 has not returned; the timeout stops it in "
-                               "5"), said
+                               ), said
     assert lines[4] == f"spins: {where['spins']}", said
     assert lines[5] == "after: None", said
     assert issubclass(helpers_interrupted(), KeyboardInterrupt)

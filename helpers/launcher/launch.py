@@ -164,7 +164,7 @@ def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_
         try:
             for job.attempt in range(1 + JOIN_RETRIES):
                 processes, connections, messages, died = [], [], {}, {}
-                processes, connections = _start(job, start_method)
+                _start(job, start_method, processes, connections)
                 unfinished = _collect(processes, connections, started + timeout, messages, died)
                 if not _join_failed(messages) or job.attempt == JOIN_RETRIES:
                     break
@@ -187,8 +187,8 @@ def _launch(fn, world_size, args, kwargs, timeout, backend, *, init_group, pass_
 
 def _interrupted(processes, world_size, out_dir, started, messages, died, show_output):
     """The learner interrupted the launch (Esc, I, I; Ctrl-C): raise WorkerInterrupted, which says
-    where each rank that had not returned was, from its stack, as a timeout does. (Interrupted
-    while the ranks were being started, there are none to ask: each is then "not started".)"""
+    where each rank that had not returned was, from its stack, as a timeout does (a rank that
+    had not started yet says so)."""
     seconds = time.monotonic() - started
     unfinished = [rank for rank in range(len(processes)) if rank not in messages | died]
     stacks = _dump_stacks(processes, unfinished, out_dir) if unfinished else {}
@@ -283,8 +283,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _start(job: _rank.Job, start_method: str):
+def _start(job: _rank.Job, start_method: str, processes: list, connections: list) -> None:
+    """Start the ranks into `processes`, with `connections` their pipes. Both are filled before
+    an interrupt held back while they start (interrupts_kept_from_the_pool) is raised on the way
+    out, so that the caller still stops the ranks it interrupted."""
     receivers, senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(job.world_size)))
+    connections.extend(receivers)
     try:
         # a forkserver that died is started again from here: keep the kernel's Ctrl+C from it too
         with main_module_kept_from_ranks(), interrupts_kept_from_the_pool():
@@ -292,10 +296,10 @@ def _start(job: _rank.Job, start_method: str):
                 _rank.rank_entry, args=(job, list(senders)), nprocs=job.world_size, join=False,
                 start_method=start_method,
             )
+            processes.extend(context.processes)
     finally:
         for sender in senders:  # the ranks hold their own copies now
             sender.close()
-    return context.processes, list(receivers)
 
 
 def _collect(processes, connections, deadline, messages: dict, died: dict) -> list:
