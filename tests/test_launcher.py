@@ -702,6 +702,8 @@ INTERRUPTED = textwrap.dedent(
         os.killpg(os.getpgid(0), signal.SIGINT)  # as Jupyter does (the ranks have groups of
         # their own: it reaches the launcher and the pool)
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel, whoever started
+    # us (a shell's background job inherits SIGINT ignored: CI's runs did)
     helpers.warm_up()
     for worker, ranks in ((deadlock, (0, 1)), (spins, (1,))):
         threading.Thread(target=interrupt_the_group, args=(worker.__name__, ranks),
