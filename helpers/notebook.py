@@ -132,8 +132,10 @@ class Heartbeat:
 
     @staticmethod
     def _line(seconds):
-        launch = sys.modules.get("helpers.launcher.launch")  # (not loaded: no launch waits)
-        waits = launch and launch.waiting()
+        # Not loaded, or still being imported (a cell's `from helpers import run` takes seconds on
+        # a loaded machine, and the module sits in sys.modules half made): no launch waits.
+        waiting = getattr(sys.modules.get("helpers.launcher.launch"), "waiting", None)
+        waits = waiting and waiting()
         text = (f"still running: {seconds:.0f} s" + (f": {waits}" if waits else "")
                 + " (Esc, I, I stops it)")
         return {"text/plain": text,

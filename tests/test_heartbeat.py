@@ -2,12 +2,14 @@
 the committed notebooks and nbval leave its line out, as a run fast enough to show none."""
 
 import pathlib
+import sys
 import time
+import types
 
 import nbformat
 from jupyter_client.manager import start_new_kernel
 
-from helpers.notebook import HEARTBEAT, HEARTBEAT_AFTER_S, without_heartbeats
+from helpers.notebook import HEARTBEAT, HEARTBEAT_AFTER_S, Heartbeat, without_heartbeats
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 SLOW_S = 3.5  # the long cell's seconds: its heartbeat shows, and is counted up at least twice
@@ -80,3 +82,16 @@ def test_no_committed_notebook_keeps_a_heartbeat():
              for index, cell in enumerate(nbformat.read(notebook, as_version=4).cells)
              for output in cell.get("outputs", []) if output.get("metadata") == HEARTBEAT]
     assert found == []
+
+
+def test_the_heartbeat_line_waits_for_nothing_while_the_launcher_is_half_imported(monkeypatch):
+    # CI caught it: a cell importing `helpers.run` on a loaded machine beat while the launcher's
+    # module was in sys.modules without its `waiting` yet, and the thread's traceback reached the
+    # cell's stderr.
+    half_made = types.ModuleType("helpers.launcher.launch")
+    monkeypatch.setitem(sys.modules, "helpers.launcher.launch", half_made)
+    line = Heartbeat._line(3.2)
+    assert line["text/plain"] == "still running: 3 s (Esc, I, I stops it)"
+    half_made.waiting = lambda: "rank 1 of 2 has not returned"
+    assert Heartbeat._line(4)["text/plain"] == (
+        "still running: 4 s: rank 1 of 2 has not returned (Esc, I, I stops it)")
