@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab present release grade train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present release grade book train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -90,9 +90,10 @@ soak: setup
 # Every lesson in a real browser (tests/test_browser.py): as an instructor presents it, RISE's
 # slides in Chromium at 1280 x 720, each lesson's first widget run live and moved, one lesson a
 # test, spread over both workers, each printing what it measured (-rA shows it); and two lessons
-# in JupyterLab's notebook view, as a student runs them.
+# in JupyterLab's notebook view, as a student runs them. And the book (make book) read offline in
+# Chromium (tests/test_book.py).
 slides: setup
-	$(PYTEST) --dist load -rA -m slides tests/test_browser.py
+	$(PYTEST) --dist load -rA -m slides tests/test_browser.py tests/test_book.py
 
 # The lessons of TIER = "cluster" (lesson 15) against a real Slurm of two nodes that each test
 # starts (as root; Debian's slurm-wlm and munge, installed here where missing): its notebook under
@@ -172,6 +173,19 @@ notebooks: setup
 		--ExecutePreprocessor.timeout=600 $(NOTEBOOKS)
 	$(PY) -m helpers.slides $(NOTEBOOKS)
 	$(PY) -m helpers.syllabus --write
+
+# The course as a website, offline (book/build.py): the committed notebooks, never executed again,
+# in book/'s own environment (Sphinx, MyST-NB, sphinx-book-theme; no torch). `make book` writes
+# build/book/html/index.html; BOOK=dir writes it elsewhere. How to publish it: docs/book.md.
+BOOK_VENV := .venv-book
+BOOK ?= build/book
+$(BOOK_VENV)/.installed: requirements-book.txt
+	test -x $(BOOK_VENV)/bin/python || $(PYTHON) -m venv $(BOOK_VENV)
+	$(BOOK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-book.txt
+	touch $@
+
+book: $(BOOK_VENV)/.installed
+	$(BOOK_VENV)/bin/python book/build.py $(BOOK)
 
 # Every lesson's key figure, for the README's gallery (the same bytes on every run).
 figures: setup

@@ -1,8 +1,7 @@
 """The lessons in a real JupyterLab, driven by headless Chromium: what a person would see.
 
-Needs Debian's chromium (`apt-get install chromium`; .ci/run installs it) and the playwright
-package (pinned in requirements.txt), driven through `executable_path`: Playwright's own browser
-download does not work here. Without Chromium this test is skipped, and says why.
+Needs Debian's chromium (`apt-get install chromium`; .ci/run installs it; tests/browser.py).
+Without Chromium this test is skipped, and says why.
 Screenshots: test-artifacts/browser/ (the path is printed).
 """
 
@@ -18,26 +17,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
 
 from helpers import present, slides
 
 REPO = Path(__file__).resolve().parent.parent
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = REPO / "test-artifacts" / "browser"
-# Chromium as root in a sandbox, with no background traffic (the network is closed here).
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
 LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-
-# .ci/run sets REQUIRE_BROWSER=1: there a missing Chromium fails every test here (a tier that
-# skips all it has would pass having checked nothing); elsewhere they are skipped, saying why.
-if CHROMIUM is None and os.environ.get("REQUIRE_BROWSER") == "1":
-    raise RuntimeError("REQUIRE_BROWSER=1 but Chromium is not installed (apt-get install "
-                       "chromium): the real-browser tests cannot run")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium); "
-    "the real-browser test needs it")
+pytestmark = needs_chromium
 
 
 @pytest.fixture

@@ -187,7 +187,8 @@ def _makefile_rules():
 def test_the_makefile_names_no_notebook_or_test_file_but_the_few_a_target_runs_itself():
     named = {(rule, path) for rule, line in _makefile_rules()
              for path in re.findall(r"notebooks/\d\d_\w+\.ipynb|tests/test_\w+\.py", line)}
-    assert named == {("slides", "tests/test_browser.py"), ("test-gpu", "tests/test_gpu.py"),
+    assert named == {("slides", "tests/test_browser.py"), ("slides", "tests/test_book.py"),
+                     ("test-gpu", "tests/test_gpu.py"),
                      ("test-python", "tests/test_launcher.py"),
                      ("test-python", "tests/test_spawn.py"),
                      ("test-python", "notebooks/01_processes_and_groups.ipynb")}

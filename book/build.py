@@ -1,0 +1,102 @@
+"""`make book`: the course as a static website, built from the committed notebooks (never
+executed again), readable offline.
+
+    python book/build.py OUT     stage the pages in OUT/source, build the site in OUT/html
+
+Staged: README.md as the front page (with the table of contents the navigation needs appended,
+and the other pages' links to it pointed there), the lessons' notebooks, the docs and the other
+READMEs it links to, the figures of its gallery, and book/conf.py with its stylesheet. In each
+notebook an explorer's live widget, which needs a running kernel, is replaced by a line saying
+so: its static figure is the cell above it (tests/test_book.py checks it). Sphinx runs with warnings
+as errors, so a link to a page that is not there fails the build.
+Runs in the book's own environment (requirements-book.txt, `make book`): no torch needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = sorted(ROOT.glob("notebooks/[0-9][0-9]_*.ipynb"))
+# The pages besides the lessons: every Markdown file README links to, and what those link to.
+PAGES = ["docs/syllabus.md", "docs/teaching.md", "docs/presenting.md", "docs/platforms.md",
+         "docs/book.md",
+         "CONTRIBUTING.md", "helpers/launcher/README.md", "benchmarks/README.md"]
+WIDGET = "application/vnd.jupyter.widget-view+json"
+LIVE_ONLY = ("This explorer runs live in Jupyter (`make lab`): each change runs the ranks again. "
+             "The figure above is its first picture.")
+
+
+def stage(source: Path) -> None:
+    """Write the pages Sphinx builds from into `source`."""
+    if source.exists():
+        shutil.rmtree(source)
+    (source / "notebooks").mkdir(parents=True)
+    front = (ROOT / "README.md").read_text()
+    (source / "index.md").write_text(front + _table_of_contents())
+    for page in PAGES:
+        (source / page).parent.mkdir(parents=True, exist_ok=True)
+        (source / page).write_text(_front_page_linked_as_index(page, (ROOT / page).read_text()))
+    # The gallery's figures are <img> tags in README, which Sphinx does not follow: copied as
+    # they are, to the same place beside the front page (conf.py, html_extra_path).
+    shutil.copytree(ROOT / "figures", source / "_extra" / "figures")
+    shutil.copy(ROOT / "book" / "conf.py", source / "conf.py")
+    shutil.copytree(ROOT / "book" / "_static", source / "_static")
+    for lesson in LESSONS:
+        notebook = json.loads(lesson.read_text())
+        (source / "notebooks" / lesson.name).write_text(json.dumps(for_the_book(notebook)))
+
+
+def for_the_book(notebook: dict) -> dict:
+    """The notebook as the book shows it: each live widget's output a line saying where it runs,
+    and no widget state (its scripts would come from a CDN)."""
+    notebook = json.loads(json.dumps(notebook))
+    notebook["metadata"].pop("widgets", None)
+    for cell in notebook["cells"]:
+        for index, output in enumerate(cell.get("outputs", [])):
+            if WIDGET in output.get("data", {}):
+                cell["outputs"][index] = {
+                    "output_type": "display_data", "metadata": {},
+                    "data": {"text/markdown": LIVE_ONLY, "text/plain": LIVE_ONLY}}
+    return notebook
+
+
+def _front_page_linked_as_index(page: str, text: str) -> str:
+    """The page's links to README.md, which the book calls index.md, pointed there."""
+    here = (ROOT / page).parent
+
+    def relinked(link):
+        target, anchor = link[2].partition("#")[::2]
+        if (here / target).resolve() != ROOT / "README.md":
+            return link[0]
+        index = os.path.relpath(ROOT / "index.md", here)
+        return f"{link[1]}{index}{'#' + anchor if anchor else ''})"
+
+    return re.sub(r"(\]\()([^)\s]+)\)", relinked, text)
+
+
+def _table_of_contents() -> str:
+    lessons = "\n".join(f"notebooks/{lesson.stem}" for lesson in LESSONS)
+    pages = "\n".join(page.removesuffix(".md") for page in PAGES)
+    return (f"\n\n```{{toctree}}\n:hidden:\n:caption: Lessons\n\n{lessons}\n```\n\n"
+            f"```{{toctree}}\n:hidden:\n:caption: Teaching and contributing\n\n{pages}\n```\n")
+
+
+def build(out: Path) -> Path:
+    """Stage and build the site; return the folder of its index.html."""
+    stage(out / "source")
+    html = out / "html"
+    subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q",
+                    str(out / "source"), str(html)], check=True)
+    return html
+
+
+if __name__ == "__main__":
+    site = build(Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "build" / "book").resolve())
+    print(f"the book: {site / 'index.html'}")

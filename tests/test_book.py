@@ -1,0 +1,156 @@
+"""`make book` (book/build.py): the course as a website, read in Chromium with the network off.
+
+Every page loads without a request leaving the disk; every internal link leads to a page, and
+every #anchor to an element of it; every figure of each lesson's notebook is on its page, drawn;
+each explorer's live widget gives way to a line (its static figure is the cell above); the
+navigation lists every lesson; the search finds a lesson. The book is built from a fresh copy of
+the committed notebooks by the Makefile's own target. Screenshots: test-artifacts/book/.
+"""
+
+import json
+import subprocess
+import urllib.parse
+from pathlib import Path
+
+import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+
+REPO = Path(__file__).resolve().parent.parent
+SCREENSHOTS = REPO / "test-artifacts" / "book"
+LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+WIDGET = "application/vnd.jupyter.widget-view+json"
+pytestmark = [pytest.mark.slides, needs_chromium]
+
+# Everything a page shows, read in the page: its images (drawn: a width once decoded), its links,
+# the ids its anchors may name, and the text of its main column.
+READ_PAGE = """() => ({
+  images: [...document.querySelectorAll('img')].map(img => ({
+    src: img.currentSrc || img.src, drawn: img.complete && img.naturalWidth > 0,
+    main: !!img.closest('main')})),
+  links: [...document.querySelectorAll('a[href]')].map(a => a.href),
+  ids: [...document.querySelectorAll('[id]')].map(element => element.id),
+  text: (document.querySelector('main') || document.body).innerText,
+})"""
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    """The site `make book` builds, into a folder of this test's."""
+    out = tmp_path_factory.mktemp("book")
+    subprocess.run(["make", "--no-print-directory", "book", f"BOOK={out}"], cwd=REPO, check=True)
+    return out / "html"
+
+
+@pytest.fixture(scope="module")
+def offline_browser():
+    """A Chromium context with the network off, that also refuses (and records) every request
+    for anything but a file: a page that fetched a script, font or style would not work offline."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        context = browser.new_context(offline=True, viewport={"width": 1280, "height": 720})
+        context.fetched_elsewhere = []
+
+        def only_files(route):
+            if route.request.url.startswith("file://"):
+                route.continue_()
+            else:
+                context.fetched_elsewhere.append(route.request.url)
+                route.abort()
+
+        context.route("**/*", only_files)
+        yield context
+        browser.close()
+
+
+def _read(context, path: Path) -> dict:
+    page = context.new_page()
+    try:
+        page.goto(path.as_uri(), wait_until="load")
+        return {**page.evaluate(READ_PAGE), "url": page.url}
+    finally:
+        page.close()
+
+
+def _image_outputs(notebook: Path) -> int:
+    cells = json.loads(notebook.read_text())["cells"]
+    return sum(any(mime.startswith("image/") for mime in output.get("data", {}))
+               for cell in cells for output in cell.get("outputs", []))
+
+
+def _widgets(notebook: Path) -> int:
+    cells = json.loads(notebook.read_text())["cells"]
+    return sum(WIDGET in output.get("data", {})
+               for cell in cells for output in cell.get("outputs", []))
+
+
+def _widgets_without_a_figure_above(notebook: Path) -> list:
+    """The cells whose live widget does not follow a code cell that drew its first picture."""
+    code = [(index, cell) for index, cell in enumerate(json.loads(notebook.read_text())["cells"])
+            if cell["cell_type"] == "code"]
+    nothing = (None, {"outputs": []})  # above the first code cell
+    return [index for (_, above), (index, cell) in zip([nothing] + code, code)
+            if any(WIDGET in output.get("data", {}) for output in cell["outputs"])
+            and not any("image/png" in output.get("data", {}) for output in above["outputs"])]
+
+
+def test_every_page_loads_offline_with_its_figures_and_links(book, offline_browser):
+    pages = sorted(book.rglob("*.html"))
+    read = {path: _read(offline_browser, path) for path in pages}
+    assert offline_browser.fetched_elsewhere == []
+
+    broken_images = [(path.relative_to(book), image["src"]) for path, page in read.items()
+                     for image in page["images"] if not image["drawn"]]
+    assert broken_images == []
+
+    broken_links = []
+    for path, page in read.items():
+        for link in page["links"]:
+            target = urllib.parse.urlsplit(link)
+            if target.scheme != "file":
+                continue  # a link out (the sources the lessons quote) is the reader's to follow
+            file = Path(urllib.parse.unquote(target.path))
+            if not file.is_file():
+                broken_links.append((path.relative_to(book), link))
+            elif target.fragment and file.suffix == ".html":
+                ids = read[file]["ids"] if file in read else []
+                if urllib.parse.unquote(target.fragment) not in ids:
+                    broken_links.append((path.relative_to(book), link))
+    assert broken_links == []
+
+    # The front page is README, with its gallery, and the navigation reaches every lesson.
+    front = read[book / "index.html"]
+    assert "A course that teaches torch.distributed by running it" in front["text"]
+    gallery = {Path(urllib.parse.urlsplit(image["src"]).path).name for image in front["images"]}
+    assert {f"{lesson.stem}.svg" for lesson in LESSONS} <= gallery
+    lesson_pages = {(book / "notebooks" / f"{lesson.stem}.html").as_uri() for lesson in LESSONS}
+    assert lesson_pages <= set(front["links"])
+
+    # Each lesson: every figure its notebook holds, in the page's main column, and each live
+    # widget replaced by the line that says where it runs.
+    for lesson in LESSONS:
+        page = read[book / "notebooks" / f"{lesson.stem}.html"]
+        figures = [image for image in page["images"] if image["main"]]
+        assert len(figures) == _image_outputs(lesson), lesson.name
+        assert page["text"].count("This explorer runs live in Jupyter") == _widgets(lesson)
+        assert _widgets_without_a_figure_above(lesson) == [], lesson.name
+        assert "interactive(children=" not in page["text"]
+
+
+def test_the_search_finds_a_lesson_offline(book, offline_browser):
+    page = offline_browser.new_page()
+    try:
+        page.goto((book / "search.html").as_uri() + "?q=reduce_scatter", wait_until="load")
+        results = page.locator("#search-results li a")
+        results.first.wait_for(timeout=30_000)
+        found = {Path(urllib.parse.urlsplit(href).path).name
+                 for href in results.evaluate_all("links => links.map(a => a.href)")}
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=SCREENSHOTS / "search.png")
+        page.goto((book / "notebooks" / "07_zero_and_fsdp.html").as_uri(), wait_until="load")
+        page.screenshot(path=SCREENSHOTS / "07_zero_and_fsdp.png")
+    finally:
+        page.close()
+    assert {"03_collectives.html", "07_zero_and_fsdp.html"} <= found
+    assert offline_browser.fetched_elsewhere == []
