@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab present release grade book train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present release grade book handouts train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -186,6 +186,14 @@ $(BOOK_VENV)/.installed: requirements-book.txt
 
 book: $(BOOK_VENV)/.installed
 	$(BOOK_VENV)/bin/python book/build.py $(BOOK)
+
+# Each lesson's slides as a PDF, one sub-slide a page, printed by Chromium from reveal.js's print
+# view with the network off (book/handouts.py; reveal.js, require.js and jQuery are fetched once
+# from npm's registry, checked by their sha512, into build/vendor/). Writes build/handouts/*.pdf;
+# HANDOUTS=dir elsewhere, LESSON=06 one lesson, NOTES=1 each sub-slide's speaker notes after it.
+HANDOUTS ?= build/handouts
+handouts: setup
+	$(PY) book/handouts.py $(HANDOUTS) $(if $(NOTES),--notes) $(LESSON)
 
 # Every lesson's key figure, for the README's gallery (the same bytes on every run).
 figures: setup

@@ -1,21 +1,31 @@
-"""`make book` (book/build.py): the course as a website, read in Chromium with the network off.
+"""`make book` (book/build.py): the course as a website, read in Chromium with the network off;
+and `make handouts` (book/handouts.py): each lesson's slides as a PDF, one sub-slide a page.
 
 Every page loads without a request leaving the disk; every internal link leads to a page, and
 every #anchor to an element of it; every figure of each lesson's notebook is on its page, drawn;
 each explorer's live widget gives way to a line (its static figure is the cell above); the
 navigation lists every lesson; the search finds a lesson. The book is built from a fresh copy of
 the committed notebooks by the Makefile's own target. Screenshots: test-artifacts/book/.
+The handouts' pages are counted against the sub-slides the notebooks' slideshow metadata starts,
+and `make handouts` fails on a sub-slide that reaches onto the next page; a speaker note adds a
+page after its sub-slide.
 """
 
 import json
+import re
 import subprocess
+import sys
 import urllib.parse
 from pathlib import Path
 
+import nbformat
 import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "book"))  # book/ is not a package
+import handouts  # noqa: E402
+
 SCREENSHOTS = REPO / "test-artifacts" / "book"
 LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 WIDGET = "application/vnd.jupyter.widget-view+json"
@@ -153,4 +163,40 @@ def test_the_search_finds_a_lesson_offline(book, offline_browser):
     finally:
         page.close()
     assert {"03_collectives.html", "07_zero_and_fsdp.html"} <= found
+    assert offline_browser.fetched_elsewhere == []
+
+
+def _sub_slides(notebook: Path) -> int:
+    """Sub-slides, from the cells' slideshow metadata alone: each slide or sub-slide starts one."""
+    cells = json.loads(notebook.read_text())["cells"]
+    return sum(cell["metadata"].get("slideshow", {}).get("slide_type") in ("slide", "subslide")
+               for cell in cells)
+
+
+def test_the_handouts_print_each_lesson_one_sub_slide_a_page(tmp_path):
+    printed = subprocess.run(["make", "--no-print-directory", "handouts", f"HANDOUTS={tmp_path}"],
+                             cwd=REPO, check=True, capture_output=True, text=True).stdout
+    print(printed)  # pages, and the sub-slides scaled to fit theirs (-rA shows it)
+    for lesson in LESSONS:
+        pdf = (tmp_path / f"{lesson.stem}.pdf").read_bytes()
+        assert handouts.pdf_pages(tmp_path / f"{lesson.stem}.pdf") == _sub_slides(lesson), lesson
+        # 1280 x 720 CSS pixels, the slides tier's screen, is 960 x 540 points.
+        assert set(re.findall(rb"/MediaBox\s*\[([^\]]*)\]", pdf)) == {b"0 0 960 540"}, lesson
+
+
+def test_with_notes_the_handouts_print_each_sub_slides_notes_on_a_page_after_it(
+        tmp_path, offline_browser):
+    notebook = json.loads(LESSONS[0].read_text())
+    notes = nbformat.v4.new_markdown_cell("Say why the ranks are processes.",
+                                          metadata={"slideshow": {"slide_type": "notes"}})
+    notebook["cells"].insert(1, notes)
+    with_notes = tmp_path / LESSONS[0].name
+    with_notes.write_text(json.dumps(notebook))
+    handouts.beside_the_slides(tmp_path)
+    slides = handouts.slides_html(with_notes, tmp_path)
+    for pdf, shown in (("with.pdf", True), ("without.pdf", False)):
+        handouts.print_pdf(offline_browser, slides, tmp_path / pdf, notes=shown)
+    pages = _sub_slides(LESSONS[0])
+    assert handouts.pdf_pages(tmp_path / "with.pdf") == pages + 1
+    assert handouts.pdf_pages(tmp_path / "without.pdf") == pages
     assert offline_browser.fetched_elsewhere == []
