@@ -139,11 +139,18 @@ def _paragraphs(lines: list) -> list:
     return packed + [piece]
 
 
+def is_notes(cell: dict) -> bool:
+    """A speaker-notes cell: its author set its slide type to "notes" (JupyterLab's property
+    inspector, Slide Type: Notes). The notebook shows it like any cell; the slides do not, and
+    the speaker view (`T` in the slides) shows it beside the sub-slide it follows."""
+    return cell.get("metadata", {}).get("slideshow", {}).get("slide_type") == "notes"
+
+
 def split(cells: list) -> list:
-    """The cells, each markdown cell cut into the pieces `_pieces` gives."""
+    """The cells, each markdown cell cut into the pieces `_pieces` gives (speaker notes whole)."""
     result = []
     for cell in cells:
-        if cell["cell_type"] != "markdown":
+        if cell["cell_type"] != "markdown" or is_notes(cell):
             result.append(cell)
             continue
         pieces = _pieces("".join(cell["source"]))
@@ -154,9 +161,12 @@ def split(cells: list) -> list:
 
 def assign(cells: list) -> list:
     """Each cell's slide type: "slide" at a #/## heading, "subslide" at a ### heading or where
-    the sub-slide so far would outgrow the screen, "-" (the same sub-slide) otherwise."""
+    the sub-slide so far would outgrow the screen, "-" (the same sub-slide) otherwise. Speaker
+    notes stay notes, and take no room on the screen."""
     used = 0
     for cell in cells:
+        if is_notes(cell):
+            continue
         source = "".join(cell["source"])
         height = cell_height(cell)
         if cell["cell_type"] == "markdown" and source.startswith(("# ", "## ")):
@@ -171,9 +181,11 @@ def assign(cells: list) -> list:
 
 
 def slides(cells: list) -> list:
-    """Every slide: lists of the sub-slides' cells, as RISE shows them."""
+    """Every slide: lists of the sub-slides' cells, as RISE shows them (no speaker notes)."""
     found = []
     for cell in cells:
+        if is_notes(cell):
+            continue
         kind = cell["metadata"]["slideshow"]["slide_type"]
         if kind == "slide" or not found:
             found.append([[cell]])

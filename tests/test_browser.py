@@ -543,3 +543,54 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
                   "timeout: 60 s); the next launch ran")
         finally:
             browser.close()
+
+
+@pytest.mark.slides
+def test_the_speaker_view_shows_the_notes_of_the_sub_slide_on_screen(lab, tmp_path):
+    """docs/presenting.md's speaker view: in the slideshow `make present` opens, `T` opens
+    reveal.js's speaker window, which shows the notes cells of the sub-slide on screen, and
+    follows the slides as they move. The audience's screen shows no notes."""
+    from playwright.sync_api import sync_playwright
+
+    base, token, _ = lab
+
+    def markdown(source, kind=None):
+        return {"cell_type": "markdown", "source": source, "id": secrets.token_hex(4),
+                "metadata": {"slideshow": {"slide_type": kind}} if kind else {}}
+
+    cells = slides.assign([markdown("# Speaker notes"), markdown("The first point."),
+                           markdown("Say why the first point matters.", "notes"),
+                           markdown("### The second"), markdown("The second point."),
+                           markdown("Say where the second leads.", "notes")])
+    (tmp_path / "notes.ipynb").write_text(json.dumps({
+        "cells": cells, "nbformat": 4, "nbformat_minor": 5, "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                           "language": "python"}, "rise": slides.RISE}}))
+    notes = ".speaker-controls-notes"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=SCREEN)
+            _open_slides(page, base, token, "notes.ipynb")
+            on_screen = page.evaluate(f"() => {PRESENT}.innerText")
+            assert "The first point." in on_screen and "Say why" not in on_screen, on_screen
+            # (RISE takes `T` in command mode, on a cell of the slides)
+            page.evaluate_handle(f"() => {PRESENT}.querySelector('.jp-Cell')").click()
+            page.keyboard.press("Escape")
+            with page.expect_popup(timeout=30_000) as opened:
+                page.keyboard.press("t")
+            speaker = opened.value
+            speaker.wait_for_function(
+                f"() => document.querySelector('{notes}')?.innerText.includes("
+                "'Say why the first point matters.')", timeout=30_000)
+            _screenshot(speaker, "speaker_view")
+            page.bring_to_front()
+            page.keyboard.press("Space")
+            speaker.wait_for_function(
+                f"() => document.querySelector('{notes}')?.innerText.includes("
+                "'Say where the second leads.')", timeout=30_000)
+            shown = speaker.evaluate(f"() => document.querySelector('{notes}').innerText")
+            assert "Say why" not in shown, shown
+            print(f"speaker view: opened by T, followed the slides; notes shown: {shown!r}")
+        finally:
+            browser.close()

@@ -75,6 +75,26 @@ def test_prose_is_cut_at_headings_and_paragraphs_but_not_inside_code():
         f"### Next\n\n{long}".replace("\n", ""))
 
 
+def test_speaker_notes_stay_notes_whole_and_take_no_room_on_a_slide():
+    def markdown(source, kind=None):
+        metadata = {"slideshow": {"slide_type": kind}} if kind else {}
+        return {"cell_type": "markdown", "metadata": metadata, "source": [source]}
+
+    long = "\n\n".join(f"Paragraph {index}, " + "words " * 30 for index in range(30))
+    notes = markdown(f"### Say first\n\n{long}", "notes")  # taller than a screen, and a heading
+    assert slides.markdown_height(notes["source"][0]) > slides.BUDGET
+    cells = slides.assign(slides.split([
+        markdown("## A slide"),
+        {"cell_type": "code", "metadata": {}, "source": ["x = 1"], "outputs": []},
+        notes,
+        markdown("Two lines\nof prose."),
+    ]))
+    assert [cell["metadata"]["slideshow"]["slide_type"] for cell in cells] == [
+        "slide", "-", "notes", "-"]  # one sub-slide, the notes beside it
+    assert cells[2] is notes  # not cut at its heading or between its paragraphs
+    assert slides.slides(cells) == [[[cells[0], cells[1], cells[3]]]]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_no_cell_draws_two_figures(path):
     """Two figures in one cell make a sub-slide no screen holds: each gets its own cell."""
