@@ -174,7 +174,7 @@ notebooks: setup
 	$(PY) -m helpers.slides $(NOTEBOOKS)
 	$(PY) -m helpers.syllabus --write
 
-# The course as a website, offline (book/build.py): the committed notebooks, never executed again,
+# The course as a website, offline (book/website.py): the committed notebooks, never executed again,
 # in book/'s own environment (Sphinx, MyST-NB, sphinx-book-theme; no torch). `make book` writes
 # build/book/html/index.html; BOOK=dir writes it elsewhere. How to publish it: docs/book.md.
 BOOK_VENV := .venv-book
@@ -185,7 +185,7 @@ $(BOOK_VENV)/.installed: requirements-book.txt
 	touch $@
 
 book: $(BOOK_VENV)/.installed
-	$(BOOK_VENV)/bin/python book/build.py $(BOOK)
+	$(BOOK_VENV)/bin/python book/website.py $(BOOK)
 
 # Each lesson's slides as a PDF, one sub-slide a page, printed by Chromium from reveal.js's print
 # view with the network off (book/handouts.py; reveal.js, require.js and jQuery are fetched once

@@ -1,13 +1,13 @@
-"""Sphinx's settings for `make book` (book/build.py stages the pages it builds from).
+"""Sphinx's settings for `make book` (book/website.py stages the pages it builds from).
 
 MyST-NB reads the committed notebooks without executing them; sphinx-book-theme, the theme of
-Jupyter Book 1, gives the navigation. Every asset is local: no widget scripts (book/build.py puts
+Jupyter Book 1, gives the navigation. Every asset is local: no widget scripts (book/website.py puts
 each explorer's static figure in its place), no MathJax (no page has math), no web fonts.
 """
 
 project = "Distributed PyTorch, hands-on"
-author = "the course's authors"
-copyright = "the course's authors"
+html_show_copyright = False
+author = ""  # no "By ..." in the footer either
 
 extensions = ["myst_nb"]
 root_doc = "index"

@@ -2,7 +2,7 @@
 
     python book/handouts.py OUT [--notes] [NN ...]      (NN: lessons, e.g. 06; default all)
 
-Each lesson's committed notebook, its explorers' widgets replaced as in the book (book/build.py),
+Each lesson's committed notebook, its explorers' widgets replaced as in the book (book/website.py),
 becomes reveal.js slides through nbconvert's reveal template (book/handouts/: every script local,
 no MathJax), with the sub-slides helpers.slides packed; Chromium opens them in reveal.js's print
 view (`?print-pdf`) and prints them to OUT/NN_lesson.pdf at 1280 x 720. A sub-slide taller than
@@ -30,7 +30,7 @@ from pathlib import Path
 from nbconvert import SlidesExporter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build import LESSONS, ROOT, for_the_book  # noqa: E402 - book/ is not a package
+from website import LESSONS, ROOT, for_the_book  # noqa: E402 - book/ is not a package
 
 VENDOR = ROOT / "build" / "vendor"
 # name: (tarball, npm's integrity, the files of it the slides load)
@@ -80,7 +80,9 @@ def slides_html(lesson: Path, out: Path) -> Path:
         jquery_url="vendor/jquery/dist/jquery.min.js", reveal_width=str(WIDTH),
         reveal_height=str(HEIGHT), exclude_input_prompt=True, exclude_output_prompt=True)
     notebook = for_the_book(json.loads(lesson.read_text()))
-    html, _ = exporter.from_file(io.StringIO(json.dumps(notebook)))
+    title = "".join(notebook["cells"][0]["source"]).splitlines()[0].lstrip("# ")  # "03 — ..."
+    html, _ = exporter.from_file(io.StringIO(json.dumps(notebook)),
+                                 resources={"metadata": {"name": title}})
     style = (ROOT / "notebooks" / "rise.css").read_text() + HANDOUT_CSS
     html = html.replace("</head>", f"<style>{style}</style>\n</head>", 1)
     page = out / f"{lesson.stem}.html"
@@ -92,7 +94,9 @@ def slides_html(lesson: Path, out: Path) -> Path:
 HANDOUT_CSS = """
 body { --jp-content-font-size1: 18px; --jp-code-font-size: 16px; }
 .reveal .slides { text-align: left; }
-.reveal h1, .reveal h2, .reveal h3, .reveal h4 { text-transform: none; }  /* as the notebook has it */
+.reveal h1, .reveal h2, .reveal h3, .reveal h4 { text-transform: none; }  /* as in the notebook */
+/* A margin on the paper, for a printer's edge and a student's notes. */
+html.print-pdf .reveal .slides .pdf-page > section { padding: 24px 36px !important; }
 .reveal .jp-OutputArea-output img { max-height: none; }
 /* Chromium would add an empty page after the last one. */
 html.print-pdf .reveal .slides .pdf-page:last-child { page-break-after: avoid; break-after: avoid; }
@@ -105,15 +109,20 @@ FIT_TO_PAGE = """() => {
   document.querySelectorAll('.reveal .pdf-page').forEach((page, index) => {
     const section = page.querySelector('section');
     if (!section || section.classList.contains('stack')) return;
-    // The page's own height (reveal.js makes it a pixel less than the paper's), and a little
-    // room: a line that overhangs the page by one pixel would be printed on the next.
+    // The page's own size (reveal.js makes it a pixel less tall than the paper), and a little
+    // room: a line that overhangs the page by one pixel would be printed on the next. A line
+    // of code or output wider than the page (it does not wrap) counts too.
     const height = page.clientHeight - 4, tall = section.scrollHeight;
-    if (tall > height) {
-      const scale = height / tall;
+    const left = section.getBoundingClientRect().left, width = page.clientWidth;
+    const wide = Math.max(0, ...[...section.querySelectorAll('*')].map(
+      (element) => element.getBoundingClientRect().right - left));
+    if (tall > height || wide > width) {
+      const scale = Math.min(height / tall, width / wide, 1);
       // CSS zoom, not a transform: it shrinks the layout itself, so that printing, which
       // carries what overflows a page onto the next, finds nothing to carry.
       section.style.setProperty('zoom', String(scale), 'important');
-      section.style.setProperty('width', `${100 / scale}%`, 'important');
+      // (in px, which the zoom scales: a percentage would stay the page's width unzoomed)
+      section.style.setProperty('width', `${page.clientWidth / scale}px`, 'important');
       scales[index + 1] = scale;
     }
   });
@@ -122,12 +131,14 @@ FIT_TO_PAGE = """() => {
 
 
 # As printed: the pages whose sub-slide still reaches below them (printing would draw the rest
-# over the next page).
+# over the next page) or past their right edge (cut off).
 OVERHANGING = """() => [...document.querySelectorAll('.reveal .pdf-page')].flatMap((page, i) => {
   const section = page.querySelector('section');
   if (!section) return [];
-  const bottom = (element) => element.getBoundingClientRect().bottom;
-  return bottom(section) - bottom(page) > 0.5 ? [i + 1] : [];
+  const box = (element) => element.getBoundingClientRect();
+  const past = (edge) => Math.max(...[section, ...section.querySelectorAll('*')].map(
+    element => box(element)[edge])) - box(page)[edge];
+  return past('bottom') > 0.5 || past('right') > 1 ? [i + 1] : [];
 })"""
 
 
@@ -142,8 +153,8 @@ def print_pdf(context, page_html: Path, pdf: Path, notes: bool = False) -> dict:
     try:
         page.goto(page_html.as_uri() + "?print-pdf" + ("&notes" if notes else ""))
         page.wait_for_selector("body[data-handout-ready=yes]", timeout=60_000)
+        page.emulate_media(media="print")  # measured as printed: the print rules apply
         scales = page.evaluate(FIT_TO_PAGE)
-        page.emulate_media(media="print")
         overhanging = page.evaluate(OVERHANGING)
         page.pdf(path=str(pdf), prefer_css_page_size=True, print_background=True)
         return {"scaled": scales, "overhanging": overhanging, "fetched_elsewhere": elsewhere}
@@ -193,7 +204,7 @@ def main(argv: list) -> None:
         fitted = (f"; {len(scales)} taller than the page, scaled to fit it (smallest "
                   f"{min(scales.values()):.2f})" if scales else "")
         print(f"{pdf}: {pdf_pages(pdf)} pages{fitted}")
-        broken += [f"{pdf.name}: page {page} reaches onto the next"
+        broken += [f"{pdf.name}: page {page} reaches past its edge"
                    for page in printed["overhanging"]]
         broken += [f"{pdf.name}: asked the network for {url}"
                    for url in printed["fetched_elsewhere"]]

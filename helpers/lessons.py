@@ -20,6 +20,10 @@ The tiers (Makefile; conftest.py's `--tier`) follow three more constants, which 
   nbval ignores, counts, messages, bit-for-bit and float64 comparisons), so the other-CPU tier
   leaves it out.
 
+And one for its slides: `SPEAKER_NOTES = True` says that each of its sub-slides shows at most
+`helpers.slides.WORDS_ON_A_SUB_SLIDE` words of prose, the rest of the explanation being in
+speaker notes (docs/presenting.md); tests/test_slides.py and the slides tier hold it to that.
+
 What each tier runs, before its markers (`-m`) choose among the tests:
 
     --tier      notebooks                             test files
@@ -51,6 +55,7 @@ class Lesson:
     tier: str = "test"  # TIER: one of TIERS
     slow: bool = False  # SLOW
     rounding_free: bool = False  # ROUNDING_FREE
+    speaker_notes: bool = False  # SPEAKER_NOTES
 
 
 def lessons() -> list:
@@ -73,12 +78,13 @@ def _lesson(package) -> Lesson:
     if tier not in TIERS:
         raise ValueError(f"{package.__name__}: TIER is {tier!r}; a lesson's tier is one of "
                          f"{', '.join(map(repr, TIERS))}")
-    flags = {name: getattr(package, name, False) for name in ("SLOW", "ROUNDING_FREE")}
+    flags = {name: getattr(package, name, False)
+             for name in ("SLOW", "ROUNDING_FREE", "SPEAKER_NOTES")}
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{package.__name__}: {name} is {value!r}; it is True or False")
     return Lesson(int(stem[:2]), stem, package.__name__, tier, flags["SLOW"],
-                  flags["ROUNDING_FREE"])
+                  flags["ROUNDING_FREE"], flags["SPEAKER_NOTES"])
 
 
 def lesson_of(path) -> Lesson | None:

@@ -139,6 +139,28 @@ def _paragraphs(lines: list) -> list:
     return packed + [piece]
 
 
+# A sub-slide shows its point, and the speaker notes hold the rest (docs/presenting.md): at most
+# this many words of prose on one, in the lessons that say SPEAKER_NOTES = True.
+WORDS_ON_A_SUB_SLIDE = 60
+
+
+def prose_words(sub_slide: list) -> int:
+    """The words of prose a sub-slide shows: its markdown cells' text, headings included, outside
+    tables and fenced code; a word is a run of non-blank characters holding a letter or a digit
+    (a list's dash and a formula's lone `=` are not words)."""
+    count = 0
+    for cell in sub_slide:
+        if cell["cell_type"] != "markdown" or is_notes(cell):
+            continue
+        fenced = False
+        for line in "".join(cell["source"]).splitlines():
+            if line.startswith("```"):
+                fenced = not fenced
+            elif not fenced and not line.lstrip().startswith("|"):
+                count += sum(any(ch.isalnum() for ch in word) for word in line.split())
+    return count
+
+
 def is_notes(cell: dict) -> bool:
     """A speaker-notes cell: its author set its slide type to "notes" (JupyterLab's property
     inspector, Slide Type: Notes). The notebook shows it like any cell; the slides do not, and

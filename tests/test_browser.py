@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
 
-from helpers import present, slides
+from helpers import lessons, present, slides
 
 REPO = Path(__file__).resolve().parent.parent
 SCREENSHOTS = REPO / "test-artifacts" / "browser"
@@ -174,7 +174,7 @@ PRESENT = ("(() => { const present = document.querySelectorAll('.reveal .slides 
 # On the sub-slide on screen: its height, whether it scrolls (taller than the screen: rise.css
 # caps it at 95 % of the screen) and where it ends, the outputs, inputs and prose whose words pass
 # their box's or the screen's right edge, the words a wrapped line cuts in two, and the smallest
-# text and prose (font size in px, where).
+# text and prose (font size in px, where), and the words of prose on screen.
 MEASURE = f"""() => {{
   const WORD_FITS = {WORD_FITS};
   const present = {PRESENT};
@@ -239,12 +239,22 @@ MEASURE = f"""() => {{
     const size = parseFloat(getComputedStyle(node.parentElement).fontSize);
     if (size < prose[0]) prose = [size, node.textContent.trim().slice(0, 40)];
   }}
+  // words of prose on screen: the rendered markdown's, its code blocks and tables aside (and the
+  // speaker notes, which are not on screen)
+  const words = Array.from(present.querySelectorAll('.jp-RenderedMarkdown'))
+    .filter(box => box.getClientRects().length && !box.closest('aside'))
+    .reduce((sum, box) => {{
+      const copy = box.cloneNode(true);
+      copy.querySelectorAll('pre, table').forEach(element => element.remove());
+      return sum + copy.innerText.split(/\\s+/).filter(word => /[\\p{{L}}\\p{{N}}]/u.test(word))
+        .length;
+    }}, 0);
   const number = document.querySelector('.reveal .slide-number');
   return {{number: number && getComputedStyle(number).display !== 'none' ? [number.innerText.trim(),
           parseFloat(getComputedStyle(number.querySelector('span') || number).fontSize)] : null,
           height: present.scrollHeight, scrolls: present.scrollHeight > present.clientHeight + 1,
           bottom: present.getBoundingClientRect().bottom, hash: window.location.hash,
-          wide: wide, broken: broken, smallest: smallest, prose: prose}};
+          wide: wide, broken: broken, smallest: smallest, prose: prose, words: words}};
 }}"""
 
 
@@ -415,7 +425,7 @@ def test_the_lesson_as_slides(lab, lesson):
     cells = json.loads(lesson.read_text())["cells"]
     plan = [sub_slide for slide in slides.slides(cells) for sub_slide in slide]
     places = [(h, v) for h, slide in enumerate(slides.slides(cells)) for v in range(len(slide))]
-    too_tall, scrolled, too_wide, broken, numbers, widget = [], [], [], [], [], None
+    too_tall, scrolled, too_wide, broken, numbers, words, widget = [], [], [], [], [], [], None
     smallest = prose = (1000, "")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -434,6 +444,7 @@ def test_the_lesson_as_slides(lab, lesson):
                 assert measured["hash"] == expected or index == 0 and measured["hash"] in (
                     "", "#/"), (index, expected, measured["hash"])
                 numbers.append(measured["number"])
+                words.append(measured["words"])
                 too_wide += [(index, *output) for output in measured["wide"]]
                 broken += [(index, word) for word in measured["broken"]]
                 smallest = min(smallest, tuple(measured["smallest"]))
@@ -458,8 +469,11 @@ def test_the_lesson_as_slides(lab, lesson):
                   f"{scrolled}; words past the right edge (index, right, edge, start): "
                   f"{too_wide}; words cut by a wrap (index, word): {broken}; "
                   f"smallest text: {smallest[0]:g} px ({smallest[1]!r}), prose: "
-                  f"{prose[0]:g} px ({prose[1]!r}); the first widget run live and moved "
-                  f"(sub-slide, px, bottom reached, step before -> after): {widget}")
+                  f"{prose[0]:g} px ({prose[1]!r}); words of prose on screen: at most "
+                  f"{max(words, default=0)}, over {slides.WORDS_ON_A_SUB_SLIDE} on "
+                  f"{sum(count > slides.WORDS_ON_A_SUB_SLIDE for count in words)}; the first "
+                  f"widget run live and moved (sub-slide, px, bottom reached, step before -> "
+                  f"after): {widget}")
     assert too_tall == []
     assert too_wide == []
     assert broken == []
@@ -470,6 +484,10 @@ def test_the_lesson_as_slides(lab, lesson):
     assert smallest[0] >= CODE_PX, smallest
     assert prose[0] >= PROSE_PX, prose
     assert widget is None or widget[2], widget
+    if lessons.lesson_of(lesson).speaker_notes:  # the rest of the explanation in speaker notes
+        assert max(words) <= slides.WORDS_ON_A_SUB_SLIDE, [
+            (index + 1, count) for index, count in enumerate(words)
+            if count > slides.WORDS_ON_A_SUB_SLIDE]
 
 
 @pytest.mark.slides

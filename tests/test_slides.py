@@ -1,5 +1,6 @@
 """The lessons' slides (helpers.slides): the committed metadata is what the tool writes, every
-section heading starts a slide, and each sub-slide fits the screen by the tool's estimate."""
+section heading starts a slide, each sub-slide fits the screen by the tool's estimate, and in a
+lesson with speaker notes (SPEAKER_NOTES) none shows more than 60 words of prose."""
 
 import base64
 import copy
@@ -14,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from helpers import slides
+from helpers import lessons, slides
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob(
     "[0-9][0-9]_*.ipynb"))
@@ -73,6 +74,36 @@ def test_prose_is_cut_at_headings_and_paragraphs_but_not_inside_code():
                                    for piece in pieces)
     assert "".join(piece.replace("\n", "") for piece in pieces[1:]) == (
         f"### Next\n\n{long}".replace("\n", ""))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_a_lesson_with_speaker_notes_shows_at_most_60_words_a_sub_slide(path):
+    cells = json.loads(path.read_text())["cells"]
+    words = [slides.prose_words(sub_slide) for slide in slides.slides(cells)
+             for sub_slide in slide]
+    over = [(index + 1, count) for index, count in enumerate(words)
+            if count > slides.WORDS_ON_A_SUB_SLIDE]
+    print(f"{path.stem}: {len(words)} sub-slides, {len(over)} over "
+          f"{slides.WORDS_ON_A_SUB_SLIDE} words of prose, the most {max(words)}")
+    if lessons.lesson_of(path).speaker_notes:
+        assert slides.WORDS_ON_A_SUB_SLIDE == 60
+        assert over == [], "(sub-slide, words): move the explanation into notes cells"
+
+
+def test_prose_words_are_the_texts_words_outside_tables_code_and_notes():
+    def cell(source, kind="markdown", slide_type="-"):
+        return {"cell_type": kind, "source": [source],
+                "metadata": {"slideshow": {"slide_type": slide_type}}}
+
+    sub_slide = [
+        cell("### A heading\n\n- **bold** point, with `code` = 2\n\n"
+             "| not | prose |\n|---|---|\n| a | b |\n\n```python\nx = 1  # not prose\n```"),
+        cell("print('not prose either')", kind="code"),
+        cell("Said, not shown.", slide_type="notes"),
+        cell("Last 3 words."),
+    ]
+    # A, heading, bold, point, with, code, 2 / Last, 3, words
+    assert slides.prose_words(sub_slide) == 7 + 3
 
 
 def test_speaker_notes_stay_notes_whole_and_take_no_room_on_a_slide():

@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LESSON_NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # What a lesson's __init__.py may define in capitals: a mistyped tier constant would otherwise
 # leave its lesson at the defaults without a word.
-LESSON_CONSTANTS = {"NOTEBOOK", "BUILDS_ON", "TIER", "SLOW", "ROUNDING_FREE", "CAN_DO"}
+LESSON_CONSTANTS = {"NOTEBOOK", "BUILDS_ON", "TIER", "SLOW", "ROUNDING_FREE", "SPEAKER_NOTES",
+                    "CAN_DO"}
 
 
 def test_every_lessons_constants_are_valid():
@@ -27,7 +28,8 @@ def test_every_lessons_constants_are_valid():
         capitals = {name for name in vars(package) if name.isupper()}
         assert capitals <= LESSON_CONSTANTS, f"{lesson.package}: {capitals - LESSON_CONSTANTS}"
         assert lesson.tier in ("test", "long", "cluster")
-        assert isinstance(lesson.slow, bool) and isinstance(lesson.rounding_free, bool)
+        assert all(isinstance(flag, bool)
+                   for flag in (lesson.slow, lesson.rounding_free, lesson.speaker_notes))
 
 
 @pytest.mark.parametrize("notebook", LESSON_NOTEBOOKS, ids=lambda path: path.stem)

@@ -1,7 +1,7 @@
 """`make book`: the course as a static website, built from the committed notebooks (never
 executed again), readable offline.
 
-    python book/build.py OUT     stage the pages in OUT/source, build the site in OUT/html
+    python book/website.py OUT     stage the pages in OUT/source, build the site in OUT/html
 
 Staged: README.md as the front page (with the table of contents the navigation needs appended,
 and the other pages' links to it pointed there), the lessons' notebooks, the docs and the other
@@ -29,8 +29,11 @@ PAGES = ["docs/syllabus.md", "docs/teaching.md", "docs/presenting.md", "docs/pla
          "docs/book.md",
          "CONTRIBUTING.md", "helpers/launcher/README.md", "benchmarks/README.md"]
 WIDGET = "application/vnd.jupyter.widget-view+json"
-LIVE_ONLY = ("This explorer runs live in Jupyter (`make lab`): each change runs the ranks again. "
-             "The figure above is its first picture.")
+LIVE_ONLY = ("An explorer is here in the notebook: its sliders need a running kernel, so open the "
+             "lesson in Jupyter (`make lab`) to move them.")
+# The worker pool's start, which the first code cell of every lesson shows as it runs (a line and
+# a progress bar): the kernel's business, not the lesson's.
+WARM_UP = ("Warming up: starting the worker pool", "worker pool: ready")
 
 
 def stage(source: Path) -> None:
@@ -55,7 +58,7 @@ def stage(source: Path) -> None:
 
 def for_the_book(notebook: dict) -> dict:
     """The notebook as the book shows it: each live widget's output a line saying where it runs,
-    and no widget state (its scripts would come from a CDN)."""
+    no widget state (its scripts would come from a CDN), and not the worker pool's start."""
     notebook = json.loads(json.dumps(notebook))
     notebook["metadata"].pop("widgets", None)
     for cell in notebook["cells"]:
@@ -64,7 +67,14 @@ def for_the_book(notebook: dict) -> dict:
                 cell["outputs"][index] = {
                     "output_type": "display_data", "metadata": {},
                     "data": {"text/markdown": LIVE_ONLY, "text/plain": LIVE_ONLY}}
+        if "outputs" in cell:
+            cell["outputs"] = [output for output in cell["outputs"] if not _warm_up(output)]
     return notebook
+
+
+def _warm_up(output: dict) -> bool:
+    text = "".join(output.get("text", "")) + "".join(output.get("data", {}).get("text/html", ""))
+    return any(line in text for line in WARM_UP)
 
 
 def _front_page_linked_as_index(page: str, text: str) -> str:
@@ -93,6 +103,7 @@ def build(out: Path) -> Path:
     stage(out / "source")
     html = out / "html"
     subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q",
+                    "-d", str(out / "doctrees"),  # Sphinx's cache, not in the site
                     str(out / "source"), str(html)], check=True)
     return html
 
