@@ -1,8 +1,9 @@
 """Sphinx's settings for `make book` (book/website.py stages the pages it builds from).
 
 MyST-NB reads the committed notebooks without executing them; sphinx-book-theme, the theme of
-Jupyter Book 1, gives the navigation. Every asset is local: no widget scripts (book/website.py puts
-each explorer's static figure in its place), no MathJax (no page has math), no web fonts.
+Jupyter Book 1, gives the navigation. Every asset is local: no widget scripts (book/website.py
+replaces each explorer by a line, under the static figure the notebook draws above it), no MathJax
+(no page has math), no web fonts.
 """
 
 project = "Distributed PyTorch, hands-on"
@@ -18,8 +19,7 @@ html_extra_path = ["_extra"]  # README's gallery: figures/*.svg, beside index.ht
 nb_execution_mode = "off"
 # ipywidgets' scripts come from a CDN: none are loaded (no page holds a live widget).
 nb_ipywidgets_js = {}
-# A notebook's own `# NBVAL` tags and `outputs_hidden` are Jupyter's business; the book shows
-# every output.
+# Every output as committed, what a cell wrote to stderr too, and a stream's pieces as one.
 nb_output_stderr = "show"
 nb_merge_streams = True
 

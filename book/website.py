@@ -26,14 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted(ROOT.glob("notebooks/[0-9][0-9]_*.ipynb"))
 # The pages besides the lessons: every Markdown file README links to, and what those link to.
 PAGES = ["docs/syllabus.md", "docs/teaching.md", "docs/presenting.md", "docs/platforms.md",
-         "docs/book.md",
-         "CONTRIBUTING.md", "helpers/launcher/README.md", "benchmarks/README.md"]
+         "docs/book.md", "CONTRIBUTING.md", "helpers/launcher/README.md", "benchmarks/README.md"]
 WIDGET = "application/vnd.jupyter.widget-view+json"
 LIVE_ONLY = ("An explorer is here in the notebook: its sliders need a running kernel, so open the "
              "lesson in Jupyter (`make lab`) to move them.")
-# The worker pool's start, which the first code cell of every lesson shows as it runs (a line and
-# a progress bar): the kernel's business, not the lesson's.
-WARM_UP = ("Warming up: starting the worker pool", "worker pool: ready")
+# The worker pool's start, which the first code cell of every lesson shows as it runs (a printed
+# line, helpers.notebook.WarmUpIndicator, and its progress bar): the kernel's business, not the
+# lesson's.
+WARM_UP_LINE, WARM_UP_BAR = "Warming up: starting the worker pool", "worker pool: ready"
 
 
 def stage(source: Path) -> None:
@@ -68,13 +68,21 @@ def for_the_book(notebook: dict) -> dict:
                     "output_type": "display_data", "metadata": {},
                     "data": {"text/markdown": LIVE_ONLY, "text/plain": LIVE_ONLY}}
         if "outputs" in cell:
-            cell["outputs"] = [output for output in cell["outputs"] if not _warm_up(output)]
+            cell["outputs"] = [kept for output in cell["outputs"]
+                               if (kept := _without_the_warm_up(output)) is not None]
     return notebook
 
 
-def _warm_up(output: dict) -> bool:
-    text = "".join(output.get("text", "")) + "".join(output.get("data", {}).get("text/html", ""))
-    return any(line in text for line in WARM_UP)
+def _without_the_warm_up(output: dict) -> dict | None:
+    """The output without the worker pool's start: None for its progress bar, and a printed text
+    without its line (None if nothing else was printed)."""
+    if WARM_UP_BAR in "".join(output.get("data", {}).get("text/html", "")):
+        return None
+    if output["output_type"] != "stream":
+        return output
+    lines = "".join(output["text"]).splitlines(keepends=True)
+    text = "".join(line for line in lines if not line.startswith(WARM_UP_LINE))
+    return {**output, "text": text} if text else None
 
 
 def _front_page_linked_as_index(page: str, text: str) -> str:
