@@ -6,7 +6,9 @@ Each lesson's committed notebook, its explorers' widgets replaced as in the book
 becomes reveal.js slides through nbconvert's reveal template (book/handouts/: every script local,
 no MathJax), with the sub-slides helpers.slides packed; Chromium opens them in reveal.js's print
 view (`?print-pdf`) and prints them to OUT/NN_lesson.pdf at 1280 x 720. A sub-slide taller than
-the page (a talk scrolls it) is scaled down to fit it, and the run says which and by how much.
+the page (a talk scrolls it), or with a line wider, is zoomed out to fit it, and the run says which
+and by how much; it fails if one still reaches past its page, or if a page asked the network for
+anything.
 With --notes, each sub-slide's speaker notes follow it on a page of their own.
 
 reveal.js, require.js and jQuery come from npm's registry, pinned by version and checked by the
@@ -102,8 +104,8 @@ html.print-pdf .reveal .slides .pdf-page > section { padding: 24px 36px !importa
 html.print-pdf .reveal .slides .pdf-page:last-child { page-break-after: avoid; break-after: avoid; }
 """
 
-# In the print view, each sub-slide's page holds its section: one taller than the page is zoomed
-# out until it fits. Returns each scale under 1, by page.
+# In the print view, each sub-slide's page holds its section: one taller or wider than the page is
+# zoomed out until it fits. Returns each scale under 1, by page.
 FIT_TO_PAGE = """() => {
   const scales = {};
   document.querySelectorAll('.reveal .pdf-page').forEach((page, index) => {
