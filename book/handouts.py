@@ -29,6 +29,7 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
+import filelock
 from nbconvert import SlidesExporter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,7 +53,15 @@ WIDTH, HEIGHT = 1280, 720
 
 
 def vendor() -> Path:
-    """The pinned scripts in build/vendor/NAME/, downloaded and checked the first time."""
+    """The pinned scripts in build/vendor/NAME/, downloaded and checked the first time (by one
+    process at a time: two at once would each see the other's half-written folder)."""
+    VENDOR.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(VENDOR / ".lock"):
+        _download_the_vendored()
+    return VENDOR
+
+
+def _download_the_vendored() -> None:
     for name, (url, integrity, wanted) in VENDORED.items():
         folder = VENDOR / name
         if (folder / ".checked").exists():
@@ -70,7 +79,6 @@ def vendor() -> Path:
                     (folder / inside).parent.mkdir(parents=True, exist_ok=True)
                     (folder / inside).write_bytes(archive.extractfile(member).read())
         (folder / ".checked").touch()
-    return VENDOR
 
 
 def slides_html(lesson: Path, out: Path) -> Path:

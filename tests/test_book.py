@@ -18,6 +18,7 @@ import sys
 import urllib.parse
 from pathlib import Path
 
+import filelock
 import nbformat
 import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
@@ -44,11 +45,22 @@ READ_PAGE = """() => ({
 })"""
 
 
+def make(target: str, **variables) -> str:
+    """Run `make target` in the repository and return what it printed. One at a time: the slides
+    tier's two workers would otherwise both create the book's environment (.venv-book) at once,
+    and one run pip in the other's half-made one."""
+    (REPO / "build").mkdir(exist_ok=True)
+    with filelock.FileLock(REPO / "build" / ".make.lock"):
+        return subprocess.run(["make", "--no-print-directory", target,
+                               *(f"{name}={value}" for name, value in variables.items())],
+                              cwd=REPO, check=True, capture_output=True, text=True).stdout
+
+
 @pytest.fixture(scope="module")
 def book(tmp_path_factory):
     """The site `make book` builds, into a folder of this test's."""
     out = tmp_path_factory.mktemp("book")
-    subprocess.run(["make", "--no-print-directory", "book", f"BOOK={out}"], cwd=REPO, check=True)
+    make("book", BOOK=out)
     return out / "html"
 
 
@@ -176,9 +188,8 @@ def _sub_slides(notebook: Path) -> int:
 
 
 def test_the_handouts_print_each_lesson_one_sub_slide_a_page(tmp_path):
-    printed = subprocess.run(["make", "--no-print-directory", "handouts", f"HANDOUTS={tmp_path}"],
-                             cwd=REPO, check=True, capture_output=True, text=True).stdout
-    print(printed)  # pages, and the sub-slides scaled to fit theirs (-rA shows it)
+    # pages, and the sub-slides scaled to fit theirs (-rA shows it)
+    print(make("handouts", HANDOUTS=tmp_path))
     for lesson in LESSONS:
         pdf = (tmp_path / f"{lesson.stem}.pdf").read_bytes()
         assert handouts.pdf_pages(tmp_path / f"{lesson.stem}.pdf") == _sub_slides(lesson), lesson
