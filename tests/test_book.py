@@ -46,14 +46,15 @@ READ_PAGE = """() => ({
 
 
 def make(target: str, **variables) -> str:
-    """Run `make target` in the repository and return what it printed. One at a time: the slides
-    tier's two workers would otherwise both create the book's environment (.venv-book) at once,
-    and one run pip in the other's half-made one."""
+    """Run `make target` in the repository and return what it printed (its errors go to the
+    test's stderr, which a failure shows). One at a time: the slides tier's two workers would
+    otherwise both create the book's environment (.venv-book) at once, and one run pip in the
+    other's half-made one."""
     (REPO / "build").mkdir(exist_ok=True)
     with filelock.FileLock(REPO / "build" / ".make.lock"):
         return subprocess.run(["make", "--no-print-directory", target,
                                *(f"{name}={value}" for name, value in variables.items())],
-                              cwd=REPO, check=True, capture_output=True, text=True).stdout
+                              cwd=REPO, check=True, stdout=subprocess.PIPE, text=True).stdout
 
 
 @pytest.fixture(scope="module")
