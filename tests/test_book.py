@@ -7,7 +7,7 @@ each explorer's live widget gives way to a line (its static figure is the cell a
 navigation lists every lesson; the search finds a lesson. The book is built from a fresh copy of
 the committed notebooks by the Makefile's own target. Screenshots: test-artifacts/book/.
 The handouts' pages are counted against the sub-slides the notebooks' slideshow metadata starts,
-and `make handouts` fails on a sub-slide that reaches onto the next page; a speaker note adds a
+and `make handouts` fails on a sub-slide that reaches past its page; a speaker note adds a
 page after its sub-slide.
 """
 
