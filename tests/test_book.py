@@ -30,7 +30,6 @@ import website  # noqa: E402
 
 SCREENSHOTS = REPO / "test-artifacts" / "book"
 LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-WIDGET = "application/vnd.jupyter.widget-view+json"
 pytestmark = [pytest.mark.slides, needs_chromium]
 
 # Everything a page shows, read in the page: its images (drawn: a width once decoded), its links,
@@ -105,7 +104,7 @@ def _image_outputs(notebook: Path) -> int:
 
 def _widgets(notebook: Path) -> int:
     cells = json.loads(notebook.read_text())["cells"]
-    return sum(WIDGET in output.get("data", {})
+    return sum(website.WIDGET in output.get("data", {})
                for cell in cells for output in cell.get("outputs", []))
 
 
@@ -115,7 +114,7 @@ def _widgets_without_a_figure_above(notebook: Path) -> list:
             if cell["cell_type"] == "code"]
     nothing = (None, {"outputs": []})  # above the first code cell
     return [index for (_, above), (index, cell) in zip([nothing] + code, code)
-            if any(WIDGET in output.get("data", {}) for output in cell["outputs"])
+            if any(website.WIDGET in output.get("data", {}) for output in cell["outputs"])
             and not any("image/png" in output.get("data", {}) for output in above["outputs"])]
 
 
