@@ -20,6 +20,10 @@ The tiers (Makefile; conftest.py's `--tier`) follow three more constants, which 
   nbval ignores, counts, messages, bit-for-bit and float64 comparisons), so the other-CPU tier
   leaves it out.
 
+What a lesson needs first, for its title slide and the syllabus: `NEEDS`, the numbers of the
+earlier lessons a student must have done (every lesson it takes code from among them,
+tests/test_structure.py); () for the first.
+
 And one for its slides: `SPEAKER_NOTES = True` says that each of its sub-slides shows at most
 `helpers.slides.WORDS_ON_A_SUB_SLIDE` words of prose, the rest of the explanation being in
 speaker notes (docs/presenting.md); tests/test_slides.py and the slides tier hold it to that.
@@ -56,6 +60,7 @@ class Lesson:
     slow: bool = False  # SLOW
     rounding_free: bool = False  # ROUNDING_FREE
     speaker_notes: bool = False  # SPEAKER_NOTES
+    needs: tuple = ()  # NEEDS: the earlier lessons' numbers
 
 
 def lessons() -> list:
@@ -83,8 +88,13 @@ def _lesson(package) -> Lesson:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{package.__name__}: {name} is {value!r}; it is True or False")
-    return Lesson(int(stem[:2]), stem, package.__name__, tier, flags["SLOW"],
-                  flags["ROUNDING_FREE"], flags["SPEAKER_NOTES"])
+    number, needs = int(stem[:2]), getattr(package, "NEEDS", ())
+    if not (isinstance(needs, tuple) and all(isinstance(n, int) and 0 < n < number
+                                             for n in needs)):
+        raise ValueError(f"{package.__name__}: NEEDS is {needs!r}; it is a tuple of earlier "
+                         "lessons' numbers")
+    return Lesson(number, stem, package.__name__, tier, flags["SLOW"],
+                  flags["ROUNDING_FREE"], flags["SPEAKER_NOTES"], tuple(sorted(needs)))
 
 
 def lesson_of(path) -> Lesson | None:

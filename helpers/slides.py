@@ -39,6 +39,9 @@ WIDGET = 320  # a widget's area
 # would stay where its committed height put it, its end below the screen); and the next one is
 # simply there, without sliding in (a code-heavy slide is read, not watched while it moves); and
 # each shows its number of the lesson's sub-slides ("12 / 57": notebooks/rise.css sizes it).
+# A lesson's first cell, its title slide (helpers.syllabus writes it), carries this tag: it is a
+# sub-slide of its own.
+TITLE_TAG = "lesson-title"
 RISE = {"scroll": True, "center": False, "transition": "none", "slideNumber": "c/t"}
 
 
@@ -182,10 +185,10 @@ def split(cells: list) -> list:
 
 
 def assign(cells: list) -> list:
-    """Each cell's slide type: "slide" at a #/## heading, "subslide" at a ### heading or where
-    the sub-slide so far would outgrow the screen, "-" (the same sub-slide) otherwise. Speaker
-    notes stay notes, and take no room on the screen."""
-    used = 0
+    """Each cell's slide type: "slide" at a #/## heading, "subslide" at a ### heading, after
+    the title slide or where the sub-slide so far would outgrow the screen, "-" (the same
+    sub-slide) otherwise. Speaker notes stay notes, and take no room on the screen."""
+    used, after_title = 0, False
     for cell in cells:
         if is_notes(cell):
             continue
@@ -194,11 +197,12 @@ def assign(cells: list) -> list:
         if cell["cell_type"] == "markdown" and source.startswith(("# ", "## ")):
             kind, used = "slide", height
         elif (cell["cell_type"] == "markdown" and source.startswith("### ")
-              or used and used + height > BUDGET):
+              or after_title or used and used + height > BUDGET):
             kind, used = "subslide", height
         else:
             kind, used = "-", used + height
         cell.setdefault("metadata", {})["slideshow"] = {"slide_type": kind}
+        after_title = TITLE_TAG in cell["metadata"].get("tags", [])
     return cells
 
 

@@ -1,7 +1,8 @@
 """The syllabus (docs/syllabus.md), computed from the lessons' committed runs.
 
     python -m helpers.syllabus            # print it
-    python -m helpers.syllabus --write    # write docs/syllabus.md (make notebooks does)
+    python -m helpers.syllabus --write    # write docs/syllabus.md and each lesson's title slide
+                                          # (make notebooks does)
 
 A lesson's talk time is a model built on measurements. Its prose is timed at WORDS_PER_MINUTE.
 Each code cell gets SECONDS_PER_CELL to show and explain. Each cell's run time is the one its
@@ -12,6 +13,11 @@ part one 80-minute slot, and the rest of the slot goes to questions and an exerc
 An exercise's hours outside class are a cold reader's (COLD_READS): someone who read the lesson as a
 student, then did each exercise until its checker passed, counted the attempts and estimated a
 student's hours. No class has been timed yet.
+
+Each lesson opens on a title slide (`title_slide`), the notebook's first cell, tagged TITLE_TAG:
+its number and title, the lessons it needs (its package's NEEDS), its minutes of talk by this
+model and its exercises. `--write` writes it there too, and helpers.slides gives it a slide of
+its own.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import json
 import pathlib
 import re
 from dataclasses import dataclass
@@ -27,6 +34,7 @@ import nbformat
 
 from helpers.exercises import exercises
 from helpers.lessons import cell_seconds, lessons
+from helpers.slides import TITLE_TAG
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORDS_PER_MINUTE = 130  # a lecturer's unhurried rate
@@ -117,6 +125,56 @@ def _title(lesson) -> str:
     return notebook.cells[0].source.split("\n")[0].lstrip("# ").split(" — ", 1)[-1]
 
 
+def title_slide(lesson) -> str:
+    """The lesson's title slide: its heading, the lessons it needs, how long its talk takes by
+    this module's model, and its exercises."""
+    every = lessons()
+    by_number = {other.number: other for other in every}
+    needs = ("Python and PyTorch's basics (tensors, autograd, an optimizer); a laptop, no GPU"
+             if not lesson.needs else
+             "lesson" + "s" * (len(lesson.needs) > 1) + " " + "; ".join(
+                 f"{number:02d}, {_title(by_number[number])}" for number in lesson.needs))
+    minutes = round(sum(section.minutes for section in sections(lesson)))
+    pieces = len(parts(lesson))
+    own = [exercise for exercise in exercises().values() if exercise.lesson == lesson.package]
+    design = sum(exercise.points == 3 for exercise in own)
+    return (f"# {lesson.stem[:2]} — {_title(lesson)}\n\n"
+            f"Lesson {lesson.number} of {len(every)}\n\n"
+            f"- **Needs:** {needs}.\n"
+            f"- **Takes:** {minutes} minutes of talk"
+            + (f", in {pieces} parts" if pieces > 1 else "")
+            + f" (docs/syllabus.md's model); {len(own)} exercise{'s' * (len(own) != 1)}"
+            + (f", {design} of them design." if design else "."))
+
+
+def write_title_slides() -> list:
+    """Put each lesson's title slide in its notebook's first cell, and its opening prose, which
+    began under the heading, in a cell of its own after it; the slides' metadata is written
+    again (helpers.slides). Returns the notebooks changed."""
+    from helpers import slides
+
+    changed = []
+    for lesson in lessons():
+        path = ROOT / "notebooks" / f"{lesson.stem}.ipynb"
+        notebook = json.loads(path.read_text())
+        cells, text = notebook["cells"], title_slide(lesson)
+        first = cells[0]
+        if TITLE_TAG not in first.get("metadata", {}).get("tags", []):
+            heading, _, rest = "".join(first["source"]).partition("\n")
+            assert heading.startswith("# "), (path, heading)
+            cells.insert(1, dict(first, source=rest.strip("\n").splitlines(keepends=True),
+                                 id=f"{first.get('id', 'title')}-opening"[:64]))
+            first = cells[0] = dict(first, metadata={**first.get("metadata", {}),
+                                                     "tags": [TITLE_TAG]})
+        if "".join(first["source"]) == text:
+            continue
+        first["source"] = text.splitlines(keepends=True)
+        path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+        slides.rewrite(str(path))
+        changed.append(path)
+    return changed
+
+
 def render() -> str:
     every = exercises()
     rows = plan()
@@ -203,12 +261,15 @@ def render() -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m helpers.syllabus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="write docs/syllabus.md")
-    text = render()
+    parser.add_argument("--write", action="store_true",
+                        help="write docs/syllabus.md and each lesson's title slide")
     if parser.parse_args(argv).write:
-        (ROOT / "docs" / "syllabus.md").write_text(text)
+        for _ in range(3):  # a title slide's own words count in its minutes: until they settle
+            if not write_title_slides():
+                break
+        (ROOT / "docs" / "syllabus.md").write_text(render())
     else:
-        print(text)
+        print(render())
 
 
 if __name__ == "__main__":

@@ -108,6 +108,26 @@ def test_a_lesson_takes_from_another_only_the_names_it_builds_on():
         assert BUILDS_ON - crossings == set(), "a declared name that is no longer taken"
 
 
+
+def test_a_lesson_needs_every_earlier_lesson_it_builds_on():
+    """A lesson's title slide says what it needs (NEEDS): at least the lessons whose names it
+    takes (BUILDS_ON), each of them earlier."""
+    number = {lesson.package.split(".")[-1]: lesson.number for lesson in lessons.lessons()}
+    for lesson in lessons.lessons():
+        taken = {number[name.split(".")[0].split(":")[0]] for owner, name in BUILDS_ON
+                 if owner == lesson.package.split(".")[-1]}
+        assert taken <= set(lesson.needs), (lesson.stem, sorted(taken - set(lesson.needs)))
+        assert all(0 < need < lesson.number for need in lesson.needs), lesson.stem
+
+
+def test_a_mistyped_needs_is_refused_by_name():
+    import types
+
+    package = types.SimpleNamespace(__name__="helpers.made_up", NOTEBOOK="05_made_up.ipynb",
+                                    NEEDS=(7,))
+    with pytest.raises(ValueError, match="helpers.made_up: NEEDS is \\(7,\\)"):
+        lessons._lesson(package)
+
 def shared_crossings(path: pathlib.Path) -> set:
     """The lesson names a module outside every lesson (helpers/ itself) takes."""
     return {name for name in names_taken(path) if name.split(".")[0].split(":")[0] in LESSONS}

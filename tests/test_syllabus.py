@@ -90,3 +90,31 @@ def test_every_exercise_has_one_cold_read_and_the_homework_adds_up():
                  if lesson.stem[:2] == row["lesson"]).split(".")[-1]), row
     homework = sum(float(row["hours"]) for row in rows if every[row["exercise"]].points > 1)
     assert f"Homework in all: {homework:g} hours" in syllabus.render()
+
+
+def test_each_lesson_opens_on_a_title_slide_that_says_what_it_needs_and_takes():
+    """Its first cell, a sub-slide of its own: the heading, the lesson's number, the lessons it
+    needs by number and title, its talk minutes (recounted here from the JSON) and its exercises
+    (the notebook's exercise cells, by their metadata; a design one's heading says so)."""
+    every = {lesson.number: lesson for lesson in lessons()}
+    for lesson in every.values():
+        cells = json.loads((ROOT / "notebooks" / f"{lesson.stem}.ipynb").read_text())["cells"]
+        title = "".join(cells[0]["source"])
+        assert cells[0]["metadata"]["tags"] == ["lesson-title"], lesson.stem
+        assert cells[0]["metadata"]["slideshow"]["slide_type"] == "slide"
+        assert cells[1]["metadata"]["slideshow"]["slide_type"] == "subslide", lesson.stem
+        heading = title.splitlines()[0]
+        assert heading.startswith(f"# {lesson.stem[:2]} — "), heading
+        assert f"\nLesson {lesson.number} of {len(every)}\n" in title
+        for need in lesson.needs:
+            other = json.loads((ROOT / "notebooks" / f"{every[need].stem}.ipynb").read_text())
+            name = "".join(other["cells"][0]["source"]).splitlines()[0].split(" — ", 1)[1]
+            assert f"{need:02d}, {name}" in title, (lesson.stem, need)
+        needs = re.search(r"\*\*Needs:\*\* (.*)", title).group(1)
+        assert len(re.findall(r"\b\d\d, ", needs)) == len(lesson.needs), needs
+        assert f"**Takes:** {round(minutes_recounted(lesson.stem))} minutes of talk" in title
+        answers = [cell for cell in cells if "exercise" in cell["metadata"]]
+        design = sum("(design)" in "".join(cell["source"]) for cell in cells
+                     if cell["cell_type"] == "markdown" and "".join(cell["source"]).startswith("#"))
+        assert f"; {len(answers)} exercise" in title, lesson.stem
+        assert (f", {design} of them design." in title) == (design > 0), lesson.stem

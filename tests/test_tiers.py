@@ -19,7 +19,7 @@ LESSON_NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # What a lesson's __init__.py may define in capitals: a mistyped tier constant would otherwise
 # leave its lesson at the defaults without a word.
 LESSON_CONSTANTS = {"NOTEBOOK", "BUILDS_ON", "TIER", "SLOW", "ROUNDING_FREE", "SPEAKER_NOTES",
-                    "CAN_DO"}
+                    "CAN_DO", "NEEDS"}
 
 
 def test_every_lessons_constants_are_valid():

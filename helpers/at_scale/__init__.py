@@ -14,6 +14,7 @@ solutions.
 """
 
 NOTEBOOK = "13_at_scale.ipynb"
+NEEDS = (7, 8, 10, 11)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("size a real model's run on fake ranks: each layout's memory per GPU and time per step")
 # Its notebook is one of a tier's longest files, and no rounding can change its outputs: a

@@ -14,6 +14,7 @@ reference solutions.
 """
 
 NOTEBOOK = "14_capstone.ipynb"
+NEEDS = (8, 10, 11, 12, 13)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("write one training loop that combines every technique, and make it survive a kill")
 # Its notebook, a minute of training (two under make test's load), runs in a tier of its own

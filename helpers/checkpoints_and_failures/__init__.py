@@ -14,6 +14,7 @@ kernel. exercises: the checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "12_checkpoints_and_failures.ipynb"
+NEEDS = (7, 8, 10)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("checkpoint and resume a sharded run exactly, reshard it on load, and find the rank that "
           "failed")

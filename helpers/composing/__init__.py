@@ -11,6 +11,7 @@ exercises: the checked exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "10_composing.ipynb"
+NEEDS = (6, 7, 8, 9)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("compose data, tensor, pipeline, expert and context parallelism on one device mesh")
 

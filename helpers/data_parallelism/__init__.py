@@ -9,6 +9,7 @@ reference solutions.
 """
 
 NOTEBOOK = "06_data_parallelism.ipynb"
+NEEDS = (3, 5)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("train with data parallelism equal to one process, by hand and with DDP, and count its "
           "bytes")

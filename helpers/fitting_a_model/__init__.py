@@ -11,6 +11,7 @@ solutions.
 """
 
 NOTEBOOK = "11_fitting_a_model.ipynb"
+NEEDS = (7, 8, 10)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("fit a model in memory with recomputation, mixed precision and accumulation, and project "
           "it to a GPU")

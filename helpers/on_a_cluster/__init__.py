@@ -12,6 +12,7 @@ solutions: their reference solutions.
 """
 
 NOTEBOOK = "15_on_a_cluster.ipynb"
+NEEDS = (12, 14)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("run that loop under Slurm on several nodes, requeued when preempted")
 # Its notebook and its tests run against a real Slurm cluster, in a tier of their own

@@ -9,6 +9,7 @@ the kernel. exercises: the checked exercises; solutions: their reference solutio
 """
 
 NOTEBOOK = "09_pipeline_parallelism.ipynb"
+NEEDS = (2, 6)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("run a model's stages as a pipeline under GPipe and 1F1B, and measure its bubble")
 # Its notebook is one of a tier's longest files: a tier starts it first (helpers/lessons.py).

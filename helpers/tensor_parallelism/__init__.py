@@ -11,6 +11,7 @@ solutions.
 """
 
 NOTEBOOK = "08_tensor_parallelism.ipynb"
+NEEDS = (3, 6)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("split a transformer's MLP, attention and sequence over ranks as Megatron does, equal to "
           "one process")

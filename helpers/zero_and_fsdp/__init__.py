@@ -10,6 +10,7 @@ solutions: the checked exercises.
 """
 
 NOTEBOOK = "07_zero_and_fsdp.ipynb"
+NEEDS = (6,)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("shard optimizer state, gradients and weights (ZeRO 1 to 3, FSDP2) and predict each "
           "rank's memory to the byte")
