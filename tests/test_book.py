@@ -11,6 +11,7 @@ and `make handouts` fails on a sub-slide that reaches past its page; a speaker n
 page after its sub-slide.
 """
 
+import contextlib
 import json
 import re
 import subprocess
@@ -46,11 +47,14 @@ READ_PAGE = """() => ({
 
 def make(target: str, **variables) -> str:
     """Run `make target` in the repository and return what it printed (its errors go to the
-    test's stderr, which a failure shows). One at a time: the slides tier's two workers would
-    otherwise both create the book's environment (.venv-book) at once, and one run pip in the
-    other's half-made one."""
+    test's stderr, which a failure shows). `make book` one at a time: the slides tier's workers
+    would otherwise create the book's environment (.venv-book) at once, and one run pip in
+    another's half-made one. (`make handouts` runs in the course's environment, and locks its
+    own download.)"""
     (REPO / "build").mkdir(exist_ok=True)
-    with filelock.FileLock(REPO / "build" / ".make.lock"):
+    lock = filelock.FileLock(REPO / "build" / ".make.lock") if target == "book" else (
+        contextlib.nullcontext())
+    with lock:
         return subprocess.run(["make", "--no-print-directory", target,
                                *(f"{name}={value}" for name, value in variables.items())],
                               cwd=REPO, check=True, stdout=subprocess.PIPE, text=True).stdout

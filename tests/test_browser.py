@@ -8,12 +8,15 @@ Screenshots: test-artifacts/browser/ (the path is printed).
 import ast
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,33 +30,53 @@ LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 pytestmark = needs_chromium
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """JupyterLab on loopback with a token, serving copies of the lessons, with its own settings.
-    One per test: a server shared by the tests restores the last test's tabs into the next page,
-    whose locators then find the other lesson's cells."""
-    for path in LESSONS + [REPO / "notebooks" / "rise.css"]:
-        shutil.copy(path, tmp_path / path.name)
+@dataclass(frozen=True)
+class Lab:
+    """The worker's JupyterLab, as one test sees it: its address and token, the server's runtime
+    folder (the kernels' connection files), and this test's own folder under the server's root,
+    holding fresh copies of the lessons, by its path there (`prefix`) and on disk (`folder`)."""
+
+    base: str
+    token: str
+    runtime_dir: str
+    prefix: str
+    folder: Path
+
+    def path(self, notebook: str) -> str:
+        """A notebook of this test's folder, as the server names it."""
+        return f"{self.prefix}/{notebook}"
+
+
+_SHUTTING_DOWN = []  # the threads shutting down the kernels of the tests that have ended
+
+
+@pytest.fixture(scope="session")
+def lab_server(tmp_path_factory):
+    """JupyterLab on loopback with a token and its own settings, one for all the tests a worker
+    runs: starting one takes seconds of the worker's CPU. Each test has a folder of its own under
+    its root (the `lab` fixture)."""
+    root = tmp_path_factory.mktemp("lab")
     port, token = present.free_port(), secrets.token_hex(16)
-    private = {name: str(tmp_path / f".{name.lower()}") for name in (
+    private = {name: str(root / f".{name.lower()}") for name in (
         "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR")}
-    log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed in the finally below
+    log = open(root / "jupyterlab.log", "w")  # noqa: SIM115 - closed in the finally below
     # The settings `make present` gives the slideshow (an interrupt shortcut; no news toast)
     present.write_settings(Path(private["JUPYTERLAB_SETTINGS_DIR"]))
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={tmp_path}", "--LabApp.news_url=None", "--allow-root"],
-        cwd=tmp_path, env={**os.environ, **private},
+         f"--ServerApp.root_dir={root}", "--LabApp.news_url=None", "--allow-root"],
+        cwd=root, env={**os.environ, **private},
         stdout=log, stderr=subprocess.STDOUT,
     )
-    base = f"http://127.0.0.1:{port}"
     try:
         if not present.wait_until_up(port, token, server):
-            tail = (tmp_path / "jupyterlab.log").read_text()[-2000:]
+            tail = (root / "jupyterlab.log").read_text()[-2000:]
             raise RuntimeError(f"JupyterLab did not start within 60 s:\n{tail}")
-        yield base, token, private["JUPYTER_RUNTIME_DIR"]
+        yield f"http://127.0.0.1:{port}", token, private["JUPYTER_RUNTIME_DIR"], root
     finally:
+        for shutting in _SHUTTING_DOWN:  # the last tests' kernels, before their server goes
+            shutting.join(30)
         server.terminate()
         try:
             server.wait(20)
@@ -63,6 +86,38 @@ def lab(tmp_path):
         log.close()
 
 
+def _api(lab, method, path):
+    request = urllib.request.Request(f"{lab.base}/api/{path}?token={lab.token}", method=method)
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        body = reply.read()
+    return json.loads(body) if body else None
+
+
+@pytest.fixture
+def lab(lab_server, request):
+    """This test's view of the worker's JupyterLab (Lab): a folder of its own, with fresh copies
+    of the lessons and notebooks/rise.css, so that what an earlier test ran and saved is not
+    here. The lab view opens in a workspace named after the folder (`_run_all_cells`): the
+    server's default workspace would restore the last test's tabs into the next page, whose
+    locators would then find another lesson's cells. The kernels this test started are shut
+    down after it."""
+    base, token, runtime_dir, root = lab_server
+    prefix = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name).strip("-")
+    folder = root / prefix
+    folder.mkdir()
+    for path in LESSONS + [REPO / "notebooks" / "rise.css"]:
+        shutil.copy(path, folder / path.name)
+    view = Lab(base, token, runtime_dir, prefix, folder)
+    yield view
+    # (a kernel takes seconds to shut down: the next test need not wait for it)
+    for session in _api(view, "GET", "sessions"):
+        if session["path"].startswith(f"{prefix}/"):
+            shutting = threading.Thread(target=_api, args=(view, "DELETE",
+                                                           f"sessions/{session['id']}"))
+            shutting.start()
+            _SHUTTING_DOWN.append(shutting)
+
+
 @pytest.fixture
 def page(lab):
     from playwright.sync_api import sync_playwright
@@ -70,13 +125,13 @@ def page(lab):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            yield browser.new_page(viewport={"width": 1400, "height": 1000}), lab[:2]
+            yield browser.new_page(viewport={"width": 1400, "height": 1000}), lab
         finally:
             browser.close()
 
 
-def _run_all_cells(page, base, token, notebook, last_output):
-    page.goto(f"{base}/lab/tree/{notebook}?token={token}")
+def _run_all_cells(page, lab, notebook, last_output):
+    page.goto(f"{lab.base}/lab/workspaces/{lab.prefix}/tree/{lab.path(notebook)}?token={lab.token}")
     page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
     # The kernel is ready when the status bar says so (the toolbar's indicator is idle earlier).
     page.get_by_text("Python 3 (ipykernel) | Idle").first.wait_for(timeout=60_000)
@@ -114,8 +169,8 @@ def _screenshot(page, name):
 
 @pytest.mark.slides  # the browser tier: make test leaves real browsers to it
 def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
-    page, (base, token) = page
-    _run_all_cells(page, base, token, "01_processes_and_groups.ipynb", "[NOT YET] column_sum")
+    page, lab = page
+    _run_all_cells(page, lab, "01_processes_and_groups.ipynb", "[NOT YET] column_sum")
     # `import helpers` starts the worker pool in the background, with a progress bar
     first_launch = _show(page.locator(".jp-CodeCell",
                                       has_text="from helpers.processes_and_groups import").first)
@@ -142,8 +197,8 @@ def test_lesson_01_shows_grouped_output_a_figure_and_the_checker(page):
 
 @pytest.mark.slides
 def test_lesson_05_stepper_slider_redraws_the_ring(page):
-    page, (base, token) = page
-    _run_all_cells(page, base, token, "05_how_all_reduce_works.ipynb",
+    page, lab = page
+    _run_all_cells(page, lab, "05_how_all_reduce_works.ipynb",
                    "[NOT YET] binomial_tree_reduce")
     cell = page.locator(".jp-CodeCell", has_text="widgets.ring_stepper(traces)").first
     drawing = _show(cell.locator(".widget-output img").first)
@@ -281,8 +336,8 @@ def _bottom_reached(page, height):
         f" <= {SCREEN['height']} && s.scrollTop + s.clientHeight >= s.scrollHeight - 1; }}")
 
 
-def _open_slides(page, base, token, lesson):
-    page.goto(f"{base}/rise/{lesson}?token={token}")
+def _open_slides(page, lab, notebook):
+    page.goto(f"{lab.base}/rise/{lab.path(notebook)}?token={lab.token}")
     page.locator(".reveal .slides > section").first.wait_for(timeout=60_000)
     page.wait_for_timeout(1500)
 
@@ -315,22 +370,21 @@ def _needs(cells, index):
     return sorted(chosen)
 
 
-def _run_in_kernel(base, token, runtime_dir, lesson, sources):
+def _run_in_kernel(lab, lesson, sources):
     """Run `sources` in the kernel the slideshow started for `lesson`, as another client of it:
     the cells a widget needs, without stepping the slides through them."""
     from jupyter_client import BlockingKernelClient
 
     deadline = time.monotonic() + 60
     while True:
-        with urllib.request.urlopen(f"{base}/api/sessions?token={token}", timeout=5) as reply:
-            kernels = [session["kernel"]["id"] for session in json.load(reply)
-                       if session["path"] == lesson]
+        kernels = [session["kernel"]["id"] for session in _api(lab, "GET", "sessions")
+                   if session["path"] == lab.path(lesson)]
         if kernels or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert kernels, f"the slideshow started no kernel for {lesson}"
     client = BlockingKernelClient()
-    client.load_connection_file(str(Path(runtime_dir) / f"kernel-{kernels[0]}.json"))
+    client.load_connection_file(str(Path(lab.runtime_dir) / f"kernel-{kernels[0]}.json"))
     client.start_channels()
     try:
         client.wait_for_ready(timeout=60)
@@ -356,7 +410,7 @@ def _picture_settles(page, cell, still_for=3, every_ms=300, tries=100):
     raise AssertionError(f"the widget's picture kept changing for {tries * every_ms / 1000} s")
 
 
-def _move_a_widget(page, base, token, runtime_dir, lesson, cells, plan):
+def _move_a_widget(page, lab, lesson, cells, plan):
     """Run the lesson's first widget live in the slides, drag its first slider: do its value and
     its picture change? Returns, for the record, the widget's sub-slide (its index in `plan`),
     that sub-slide's height, whether its bottom is on the screen or reached by the wheel, and the
@@ -364,12 +418,12 @@ def _move_a_widget(page, base, token, runtime_dir, lesson, cells, plan):
     widget = next(index for index, cell in enumerate(cells) if any(
         "application/vnd.jupyter.widget-view+json" in output.get("data", {})
         for output in cell.get("outputs", [])))
-    _run_in_kernel(base, token, runtime_dir, lesson,
+    _run_in_kernel(lab, lesson,
                    ["".join(cells[index]["source"]) for index in _needs(cells, widget)])
     places = [(h, v) for h, slide in enumerate(slides.slides(cells)) for v in range(len(slide))]
     place = next(index for index, sub_slide in enumerate(plan)
                  if any(cell is cells[widget] for cell in sub_slide))
-    _open_slides(page, base, token, lesson)
+    _open_slides(page, lab, lesson)
     page.evaluate(f"() => {{ window.location.hash = '#/slide-{places[place][0]}-"
                   f"{places[place][1]}'; }}")
     _settle(page)
@@ -401,7 +455,7 @@ def _move_a_widget(page, base, token, runtime_dir, lesson, cells, plan):
     # That is the first redraw the drag asked for, perhaps of a value it passed through. The
     # kernel takes messages in order: once it has run one more, every redraw is drawn, and the
     # last picture to arrive is the slider's final value's.
-    _run_in_kernel(base, token, runtime_dir, lesson, ["pass"])
+    _run_in_kernel(lab, lesson, ["pass"])
     _picture_settles(page, cell)
     moved = cell.query_selector(".widget-readout").inner_text()
     assert moved != step, (step, moved)  # the slider moved, and the picture with it
@@ -421,7 +475,6 @@ def test_the_lesson_as_slides(lab, lesson):
     lesson has an ipywidget, the first one run live in the slides, its slider moved, redraws."""
     from playwright.sync_api import sync_playwright
 
-    base, token, runtime_dir = lab
     cells = json.loads(lesson.read_text())["cells"]
     plan = [sub_slide for slide in slides.slides(cells) for sub_slide in slide]
     places = [(h, v) for h, slide in enumerate(slides.slides(cells)) for v in range(len(slide))]
@@ -431,7 +484,7 @@ def test_the_lesson_as_slides(lab, lesson):
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=SCREEN)
-            _open_slides(page, base, token, lesson.name)
+            _open_slides(page, lab, lesson.name)
             count = page.evaluate("() => [document.querySelectorAll('.reveal .slides > section')"
                                   ".length, document.querySelectorAll("
                                   "'.reveal .slides section section').length]")
@@ -461,7 +514,7 @@ def test_the_lesson_as_slides(lab, lesson):
                 page.keyboard.press("Space")
             if any("application/vnd.jupyter.widget-view+json" in output.get("data", {})
                    for cell in cells for output in cell.get("outputs", [])):
-                widget = _move_a_widget(page, base, token, runtime_dir, lesson.name, cells, plan)
+                widget = _move_a_widget(page, lab, lesson.name, cells, plan)
         finally:
             browser.close()
             print(f"{lesson.name}: {len(plan)} sub-slides at {SCREEN['width']} x "
@@ -491,7 +544,7 @@ def test_the_lesson_as_slides(lab, lesson):
 
 
 @pytest.mark.slides
-def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
+def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab):
     """docs/presenting.md's advice, in the slideshow: a launch whose ranks never return is
     interrupted by Esc, I, I (the shortcut helpers.present adds), long before the launcher's
     timeout; while it waits, its heartbeat says for which ranks; interrupted, it says where each
@@ -499,7 +552,6 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
-    base, token, _ = lab
     source = ("import time\n\nfrom helpers.launcher import run\n\n\n"
               "def stuck(rank, world_size):\n    time.sleep(600)\n\n\n"
               "def rank_of(rank, world_size):\n    return rank\n\n\nrun(stuck, 2)")
@@ -510,7 +562,7 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
               "metadata": {}, "outputs": [], "execution_count": None}]
     for cell in slides.assign(cells):
         cell["id"] = secrets.token_hex(4)
-    (tmp_path / "hang.ipynb").write_text(json.dumps({
+    (lab.folder / "hang.ipynb").write_text(json.dumps({
         "cells": cells, "nbformat": 4, "nbformat_minor": 5, "metadata": {
             "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
                            "language": "python"}, "rise": slides.RISE}}))
@@ -518,7 +570,7 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=SCREEN)
-            _open_slides(page, base, token, "hang.ipynb")
+            _open_slides(page, lab, "hang.ipynb")
             page.keyboard.press("Space")
             page.wait_for_timeout(1000)
             code = page.evaluate_handle(f"() => {PRESENT}.querySelectorAll('.jp-CodeCell')")
@@ -564,13 +616,11 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab, tmp_path):
 
 
 @pytest.mark.slides
-def test_the_speaker_view_shows_the_notes_of_the_sub_slide_on_screen(lab, tmp_path):
+def test_the_speaker_view_shows_the_notes_of_the_sub_slide_on_screen(lab):
     """docs/presenting.md's speaker view: in the slideshow `make present` opens, `T` opens
     reveal.js's speaker window, which shows the notes cells of the sub-slide on screen, and
     follows the slides as they move. The audience's screen shows no notes."""
     from playwright.sync_api import sync_playwright
-
-    base, token, _ = lab
 
     def markdown(source, kind=None):
         return {"cell_type": "markdown", "source": source, "id": secrets.token_hex(4),
@@ -580,7 +630,7 @@ def test_the_speaker_view_shows_the_notes_of_the_sub_slide_on_screen(lab, tmp_pa
                            markdown("Say why the first point matters.", "notes"),
                            markdown("### The second"), markdown("The second point."),
                            markdown("Say where the second leads.", "notes")])
-    (tmp_path / "notes.ipynb").write_text(json.dumps({
+    (lab.folder / "notes.ipynb").write_text(json.dumps({
         "cells": cells, "nbformat": 4, "nbformat_minor": 5, "metadata": {
             "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
                            "language": "python"}, "rise": slides.RISE}}))
@@ -589,7 +639,7 @@ def test_the_speaker_view_shows_the_notes_of_the_sub_slide_on_screen(lab, tmp_pa
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=SCREEN)
-            _open_slides(page, base, token, "notes.ipynb")
+            _open_slides(page, lab, "notes.ipynb")
             on_screen = page.evaluate(f"() => {PRESENT}.innerText")
             assert "The first point." in on_screen and "Say why" not in on_screen, on_screen
             # (RISE takes `T` in command mode, on a cell of the slides)
