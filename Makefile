@@ -102,8 +102,10 @@ slides: setup
 # The lessons of TIER = "cluster" (lesson 15) against a real Slurm of two nodes that each test
 # starts (as root; Debian's slurm-wlm and munge, installed here where missing): its notebook under
 # nbval, the requeued job equal to plain torchrun, the exercises' checkers submitting for real.
-# Three files over both workers. Where no cluster can start, its tests are skipped (the notebook's
-# first cell fails, saying why); REQUIRE_CLUSTER=1 (CI) makes that an error.
+# Three files, a worker each (on two cores: their ranks wait on Slurm, and with two workers the
+# cores were idle 25 % of the tier; with three, 7 %). Where no cluster can start, its tests are
+# skipped (the notebook's first cell fails, saying why); REQUIRE_CLUSTER=1 (CI) makes that an error.
+cluster-tests: WORKERS = 3
 cluster-tests: setup
 	$(PY) -m helpers.on_a_cluster.cluster install
 	$(PYTEST) -m "cluster or notebook" $(NBVAL) --tier cluster notebooks tests
