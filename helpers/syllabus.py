@@ -195,7 +195,7 @@ def render() -> str:
         "",
         "**Prerequisites.** Python; PyTorch's basics (tensors, `nn.Module`, autograd, an "
         "optimizer's step); a shell. No GPU: every lesson runs on a laptop's CPU. Each lesson "
-        "builds on the ones before it.",
+        "names the earlier lessons it needs (the table below, and its title slide).",
         "",
         "## The plan",
         "",
@@ -217,12 +217,13 @@ def render() -> str:
               "once, and a split lesson's second part takes what its first leaves, so that the "
               "parts add up to the lesson's row below.", "",
               "## Each lesson", "",
-              "| lesson | talk (min) | prose (words) | code cells | cells' run (s) | after it, a "
-              "student can |", "|---|---|---|---|---|---|"]
+              "| lesson | needs lessons | talk (min) | prose (words) | code cells | cells' run "
+              "(s) | after it, a student can |", "|---|---|---|---|---|---|---|"]
     for lesson in lessons():
         found = sections(lesson)
         can_do = importlib.import_module(lesson.package).CAN_DO
-        lines.append(f"| {lesson.stem[:2]} {_title(lesson)} | "
+        needs = ", ".join(f"{number:02d}" for number in lesson.needs) or "none"
+        lines.append(f"| {lesson.stem[:2]} {_title(lesson)} | {needs} | "
                      f"{round(sum(section.minutes for section in found))} | "
                      f"{sum(section.words for section in found)} | "
                      f"{sum(section.cells for section in found)} | "
