@@ -132,8 +132,8 @@ def title_slide(lesson) -> str:
     by_number = {other.number: other for other in every}
     needs = ("Python and PyTorch's basics (tensors, autograd, an optimizer); a laptop, no GPU"
              if not lesson.needs else
-             "lesson" + "s" * (len(lesson.needs) > 1) + " " + "; ".join(
-                 f"{number:02d}, {_title(by_number[number])}" for number in lesson.needs))
+             "lesson" + "s" * (len(lesson.needs) > 1) + " " + " · ".join(
+                 f"{number:02d} {_title(by_number[number])}" for number in lesson.needs))
     minutes = round(sum(section.minutes for section in sections(lesson)))
     pieces = len(parts(lesson))
     own = [exercise for exercise in exercises().values() if exercise.lesson == lesson.package]
@@ -141,10 +141,10 @@ def title_slide(lesson) -> str:
     return (f"# {lesson.stem[:2]} — {_title(lesson)}\n\n"
             f"Lesson {lesson.number} of {len(every)}\n\n"
             f"- **Needs:** {needs}.\n"
-            f"- **Takes:** {minutes} minutes of talk"
+            f"- **Takes:** an estimated {minutes} minutes of talk"
             + (f", in {pieces} parts" if pieces > 1 else "")
-            + f" (docs/syllabus.md's model); {len(own)} exercise{'s' * (len(own) != 1)}"
-            + (f", {design} of them design." if design else "."))
+            + f"; {len(own)} exercise{'s' * (len(own) != 1)}"
+            + (f" ({design} design)." if design else "."))
 
 
 def write_title_slides() -> list:

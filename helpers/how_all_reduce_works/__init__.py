@@ -7,6 +7,6 @@ solutions.
 """
 
 NOTEBOOK = "05_how_all_reduce_works.ipynb"
-NEEDS = (3, 4)  # lessons to do first (helpers.lessons)
+NEEDS = (2, 3, 4)  # lessons to do first (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("run ring and tree all-reduce step by step, and say which wins at which size and scale")
