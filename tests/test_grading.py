@@ -111,6 +111,11 @@ def honest_class(folder, notebooks):
     hand_in(folder, "dave", answered(lesson, {"even_odd_sum": "value = 1 / 0"}))
 
 
+# The index of lesson 01's answer cell for even_odd_sum, by which the grader names the cell
+ANSWER_CELL = next(index for index, cell in enumerate(
+    nbformat.read(COURSE / "notebooks" / f"{LESSON}.ipynb", as_version=4).cells)
+    if cell.metadata.get("exercise") == "even_odd_sum")
+
 HONEST = {  # (student, exercise) -> status, and the words its message holds
     ("alice", "even_odd_sum"): ("passed", "[PASSED] even_odd_sum"),
     ("alice", "column_sum"): ("passed", "Every result was right"),
@@ -122,7 +127,8 @@ HONEST = {  # (student, exercise) -> status, and the words its message holds
     ("carol", "column_sum"): ("failed", "ZeroDivisionError"),
     ("carol", "grid_sums"): ("missing", "Not started"),
     ("dave", "even_odd_sum"): ("error", 'ZeroDivisionError: division by zero\nTraceback (most '
-                               'recent call last):\n  File "<cell 36>", line 4, in <module>'),
+                               f'recent call last):\n  File "<cell {ANSWER_CELL}>", line 4, in '
+                               '<module>'),
     ("dave", "column_sum"): ("missing", "Not started"),
     ("dave", "grid_sums"): ("missing", "Not started"),
 }
@@ -258,7 +264,7 @@ def test_an_honest_class_and_hostile_submissions_that_cost_only_their_own_points
             assert got[(student, name)]["status"] == status, (student, name, got[(student, name)])
             assert says in got[(student, name)]["message"], got[(student, name)]["message"]
     # the solutions, their bytecode and the git history: each read gave nothing
-    assert re.match(r"Cell 36 raised RuntimeError: stolen: \[b''(, b'')*\]\n",
+    assert re.match(rf"Cell {ANSWER_CELL} raised RuntimeError: stolen: \[b''(, b'')*\]\n",
                     got[("reads_solutions", "even_odd_sum")]["message"])
     for name in ("even_odd_sum", "column_sum", "grid_sums"):
         assert got[("oscar", name)]["status"] == "missing"
