@@ -15,9 +15,9 @@ student, then did each exercise until its checker passed, counted the attempts a
 student's hours. No class has been timed yet.
 
 Each lesson opens on a title slide (`title_slide`), the notebook's first cell, tagged TITLE_TAG:
-its number and title, the lessons it needs (its package's NEEDS), its minutes of talk by this
-model and its exercises. `--write` writes it there too, and helpers.slides gives it a slide of
-its own.
+its number and title, what a student can do after it (CAN_DO), the lessons it needs (NEEDS), its
+minutes of talk by this model and its exercises. `--write` writes it there too, and helpers.slides
+gives it a slide of its own.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def _title(lesson) -> str:
 
 
 def title_slide(lesson) -> str:
-    """The lesson's title slide: its heading, the lessons it needs, how long its talk takes by
-    this module's model, and its exercises."""
+    """The lesson's title slide: its heading, what a student can do after it (CAN_DO), the
+    lessons it needs, how long its talk takes by this module's model, and its exercises."""
     every = lessons()
     by_number = {other.number: other for other in every}
     needs = ("Python and PyTorch's basics (tensors, autograd, an optimizer); a laptop, no GPU"
@@ -138,8 +138,10 @@ def title_slide(lesson) -> str:
     pieces = len(parts(lesson))
     own = [exercise for exercise in exercises().values() if exercise.lesson == lesson.package]
     design = sum(exercise.points == 3 for exercise in own)
+    can_do = importlib.import_module(lesson.package).CAN_DO
     return (f"# {lesson.stem[:2]} — {_title(lesson)}\n\n"
             f"Lesson {lesson.number} of {len(every)}\n\n"
+            f"- **After it, you can** {can_do}.\n"
             f"- **Needs:** {needs}.\n"
             f"- **Takes:** an estimated {minutes} minutes of talk"
             + (f", in {pieces} parts" if pieces > 1 else "")

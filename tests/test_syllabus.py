@@ -2,6 +2,7 @@
 runs give, its minutes add up to the lessons' own, recounted here cell by cell, and its plan
 fits ten weeks of two slots."""
 
+import importlib
 import json
 import pathlib
 import re
@@ -93,9 +94,10 @@ def test_every_exercise_has_one_cold_read_and_the_homework_adds_up():
 
 
 def test_each_lesson_opens_on_a_title_slide_that_says_what_it_needs_and_takes():
-    """Its first cell, a sub-slide of its own: the heading, the lesson's number, the lessons it
-    needs by number and title, its talk minutes (recounted here from the JSON) and its exercises
-    (the notebook's exercise cells, by their metadata; a design one's heading says so)."""
+    """Its first cell, a sub-slide of its own: the heading, the lesson's number, what a student
+    can do after it, the lessons it needs by number and title, its talk minutes (recounted here
+    from the JSON) and its exercises (the notebook's exercise cells, by their metadata; a design
+    one's heading says so)."""
     every = {lesson.number: lesson for lesson in lessons()}
     for lesson in every.values():
         cells = json.loads((ROOT / "notebooks" / f"{lesson.stem}.ipynb").read_text())["cells"]
@@ -106,6 +108,8 @@ def test_each_lesson_opens_on_a_title_slide_that_says_what_it_needs_and_takes():
         heading = title.splitlines()[0]
         assert heading.startswith(f"# {lesson.stem[:2]} — "), heading
         assert f"\nLesson {lesson.number} of {len(every)}\n" in title
+        can_do = importlib.import_module(lesson.package).CAN_DO
+        assert f"\n- **After it, you can** {can_do}.\n" in title, lesson.stem
         for need in lesson.needs:
             other = json.loads((ROOT / "notebooks" / f"{every[need].stem}.ipynb").read_text())
             name = "".join(other["cells"][0]["source"]).splitlines()[0].split(" — ", 1)[1]
