@@ -30,3 +30,21 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_ends_equal_to_an_uninterrup
     story = [what for _, what in elastic.agent_story(job)]
     assert story == ["starts the workers", "rank 1 exited with -9", "group failed: restarts it",
                      "starts the workers", "finished"]
+
+
+@pytest.mark.soak  # a real torchrun, left to hang for its timeout
+def test_a_torchrun_past_its_timeout_is_killed_with_every_worker(tmp_path):
+    """torch starts each worker in a session of its own: killing torchrun's process group alone
+    left them running, orphaned, after the TimeoutError (a learner's hung entry point, lesson
+    14's checker). Nothing of the job may outlive it."""
+    import secrets
+
+    import psutil
+
+    mark = secrets.token_hex(8)  # in the workers' command line, to find them by
+    with pytest.raises(TimeoutError, match="did not finish within 20 s"):
+        elastic.run_torchrun("timeit", ["-n", "1", f"import time; time.sleep(600)  # {mark}"],
+                             tmp_path, nproc=2, max_restarts=0, timeout=20)
+    left = [process.info for process in psutil.process_iter(["pid", "cmdline"])
+            if any(mark in part for part in process.info["cmdline"] or [])]
+    assert left == []

@@ -26,6 +26,7 @@ attempt gets a store of its own; torchrun_job sets it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -127,8 +128,7 @@ def run_torchrun(module: str, arguments: list, directory, *, nproc: int, max_res
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        kill_with_its_workers(process)
         raise TimeoutError(f"torchrun did not finish within {timeout:g} s; its output:\n"
                            + "\n".join(line for _, line in agent[-20:])) from None
     reader.join()
@@ -142,6 +142,27 @@ def run_torchrun(module: str, arguments: list, directory, *, nproc: int, max_res
     result = torch.load(final, weights_only=False) if os.path.exists(final) else None
     return Job(process.returncode, agent, sorted(events, key=lambda event: event["time"]),
                result, started)
+
+
+def kill_with_its_workers(process: subprocess.Popen) -> None:
+    """SIGKILL torchrun (started in a session of its own) and every process under it, and reap
+    it. Its workers are not in its process group: torch's subprocess handler starts each in a
+    new session, so killing torchrun's group alone would leave them running, orphaned."""
+    import psutil
+
+    try:
+        under = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        under = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for child in under:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)  # a worker leads its session's group
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    process.wait()
+    psutil.wait_procs(under, timeout=10)
 
 
 def torchrun_command(module: str, arguments: list, directory, *, nproc: int,
