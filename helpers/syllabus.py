@@ -14,10 +14,10 @@ An exercise's hours outside class are a cold reader's (COLD_READS): someone who 
 student, then did each exercise until its checker passed, counted the attempts and estimated a
 student's hours. No class has been timed yet.
 
-Each lesson opens on a title slide (`title_slide`), the notebook's first cell, tagged TITLE_TAG:
-its number and title, what a student can do after it (CAN_DO), the lessons it needs (NEEDS), its
-minutes of talk by this model and its exercises. `--write` writes it there too, and helpers.slides
-gives it a slide of its own.
+Each lesson opens on a title slide (`title_slide`), the notebook's first cell, tagged
+slides.TITLE_TAG: its number and title, what a student can do after it (CAN_DO), the lessons it
+needs (NEEDS), its minutes of talk by this model and its exercises. `--write` writes it there
+too, and helpers.slides gives it a slide of its own.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import nbformat
 
+from helpers import slides
 from helpers.exercises import exercises
 from helpers.lessons import cell_seconds, lessons
-from helpers.slides import TITLE_TAG
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORDS_PER_MINUTE = 130  # a lecturer's unhurried rate
@@ -153,21 +153,21 @@ def write_title_slides() -> list:
     """Put each lesson's title slide in its notebook's first cell, and its opening prose, which
     began under the heading, in a cell of its own after it; the slides' metadata is written
     again (helpers.slides). Returns the notebooks changed."""
-    from helpers import slides
-
     changed = []
     for lesson in lessons():
         path = ROOT / "notebooks" / f"{lesson.stem}.ipynb"
         notebook = json.loads(path.read_text())
         cells, text = notebook["cells"], title_slide(lesson)
         first = cells[0]
-        if TITLE_TAG not in first.get("metadata", {}).get("tags", []):
+        if slides.TITLE_TAG not in first.get("metadata", {}).get("tags", []):
             heading, _, rest = "".join(first["source"]).partition("\n")
-            assert heading.startswith("# "), (path, heading)
+            if not heading.startswith("# "):
+                raise ValueError(f"{path}: its first cell starts {heading[:60]!r}, not the "
+                                 "lesson's `# NN — Title` heading")
             cells.insert(1, dict(first, source=rest.strip("\n").splitlines(keepends=True),
                                  id=f"{first.get('id', 'title')}-opening"[:64]))
             first = cells[0] = dict(first, metadata={**first.get("metadata", {}),
-                                                     "tags": [TITLE_TAG]})
+                                                     "tags": [slides.TITLE_TAG]})
         if "".join(first["source"]) == text:
             continue
         first["source"] = text.splitlines(keepends=True)
