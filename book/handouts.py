@@ -108,8 +108,11 @@ body { --jp-content-font-size1: 18px; --jp-code-font-size: 16px; }
 /* A margin on the paper, for a printer's edge and a student's notes. */
 html.print-pdf .reveal .slides .pdf-page > section { padding: 24px 36px !important; }
 .reveal .jp-OutputArea-output img { max-height: none; }
-/* Chromium would add an empty page after the last one. */
-html.print-pdf .reveal .slides .pdf-page:last-child { page-break-after: avoid; break-after: avoid; }
+/* Chromium would add an empty page after the last one, a sub-slide's or its notes' (reveal.js
+   breaks the page after every notes page). */
+html.print-pdf .reveal .slides .pdf-page:last-child,
+html.print-pdf .reveal .slides > section:last-child > .speaker-notes-pdf:last-child {
+  page-break-after: avoid; break-after: avoid; }
 """
 
 # In the print view, each sub-slide's page holds its section: one taller or wider than the page is

@@ -204,12 +204,13 @@ def test_the_handouts_print_each_lesson_one_sub_slide_a_page(tmp_path):
 def test_with_notes_the_handouts_print_each_sub_slides_notes_on_a_page_after_it(
         tmp_path, offline_browser):
     notebook = json.loads(LESSONS[0].read_text())
-    # the lesson without the notes it has, and one short note after its title
+    # the lesson without the notes it has, and a short note after its title and after its last
+    # cell (reveal.js breaks the page after a notes page: the last must not add a blank one)
     notebook["cells"] = [cell for cell in notebook["cells"]
                          if cell["metadata"].get("slideshow", {}).get("slide_type") != "notes"]
-    notes = nbformat.v4.new_markdown_cell("Say why the ranks are processes.",
-                                          metadata={"slideshow": {"slide_type": "notes"}})
-    notebook["cells"].insert(1, notes)
+    for where, say in ((1, "Say why the ranks are processes."), (None, "Set the exercises.")):
+        notes = nbformat.v4.new_markdown_cell(say, metadata={"slideshow": {"slide_type": "notes"}})
+        notebook["cells"].insert(len(notebook["cells"]) if where is None else where, notes)
     with_notes = tmp_path / LESSONS[0].name
     with_notes.write_text(json.dumps(notebook))
     handouts.beside_the_slides(tmp_path)
@@ -217,6 +218,6 @@ def test_with_notes_the_handouts_print_each_sub_slides_notes_on_a_page_after_it(
     for pdf, shown in (("with.pdf", True), ("without.pdf", False)):
         handouts.print_pdf(offline_browser, slides, tmp_path / pdf, notes=shown)
     pages = _sub_slides(LESSONS[0])
-    assert handouts.pdf_pages(tmp_path / "with.pdf") == pages + 1
+    assert handouts.pdf_pages(tmp_path / "with.pdf") == pages + 2
     assert handouts.pdf_pages(tmp_path / "without.pdf") == pages
     assert offline_browser.fetched_elsewhere == []
