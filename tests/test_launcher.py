@@ -691,8 +691,8 @@ INTERRUPTED = textwrap.dedent(
 
     def spins(rank, world_size):
         open(os.path.join(FLAGS, f"spins{rank}"), "w").close()
-        while rank == 1:
-            pass
+        # (one line: a sample of a two-line loop lands on its test or on its body)
+        while rank == 1: pass
 
     def interrupt_the_group(name, ranks):
         while not all(os.path.exists(os.path.join(FLAGS, f"{name}{rank}")) for rank in ranks):
@@ -731,13 +731,14 @@ def test_an_interrupted_launch_says_where_each_rank_was(tmp_path):
     said = completed.stdout + completed.stderr
     source = INTERRUPTED.splitlines()
     recv, spin = (source.index(line) + 1 for line in (
-        "    dist.recv(torch.zeros(1), src=1 - rank)", "    while rank == 1:"))
+        "    dist.recv(torch.zeros(1), src=1 - rank)",
+        "    while rank == 1: pass"))
     assert lines[0].startswith("waiting: ranks 0 and 1 of 2 have not returned; the timeout "
                                "stops them in "), said
     where = {"deadlock": {
         rank: f'blocked in torch.distributed.recv(), called from deadlock at "{script}", line '
               f"{recv}: dist.recv(torch.zeros(1), src=1 - rank)" for rank in (0, 1)},
-        "spins": {1: f'in spins at "{script}", line {spin}: while rank == 1:'}}
+        "spins": {1: f'in spins at "{script}", line {spin}: while rank == 1: pass'}}
     assert lines[1] == f"deadlock: {where['deadlock']}", said
     assert lines[2] == "after: None", said
     assert lines[3].startswith("waiting: rank 1 of 2 has not returned; the timeout stops it in "
