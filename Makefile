@@ -213,6 +213,7 @@ benchmark: setup
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/weights.py
 	$(PY) benchmarks/bfloat16.py
+	$(PY) benchmarks/openmp_wait.py
 
 clean:
 	rm -rf $(VENV) .venv-* .pytest_cache

@@ -40,6 +40,10 @@ import warnings
 
 import pytest
 
+# First, before anything loads torch: the launcher asks OpenMP's threads to sleep, not spin, while
+# they wait (helpers/launcher/pool.py), for this process and the kernels and ranks it starts.
+import helpers.launcher.pool  # noqa: F401, E402, I001 - imported for that alone
+
 NBVAL_OUTPUT_WAIT_S = 60
 KERNEL_STARTS = 3
 
