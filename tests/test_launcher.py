@@ -218,15 +218,16 @@ def test_send_send_deadlock_ends_at_the_timeout_naming_the_call():
         assert f'workers.py", line {line}: dist.send(tensor, dst=1 - rank)' in where
 
 
-def _hogs(count: int, seconds: float = 180) -> list:
-    """Processes that keep the cores busy for at most `seconds`: a loaded machine, as a lecture
-    hall's laptop runs a browser and a server beside the kernel."""
-    spin = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+def _hogs(count: int, seconds: float = 180, after: float = 0) -> list:
+    """Processes that keep the cores busy for at most `seconds`, from `after` seconds on: a loaded
+    machine, as a lecture hall's laptop runs a browser and a server beside the kernel."""
+    spin = (f"import time\ntime.sleep({after})\nend = time.time() + {seconds}\n"
+            "while time.time() < end: pass")
     return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
 
 
-def _both_recv_located(timeout):
-    hogs = _hogs(2)
+def _both_recv_located(timeout, loaded_after: float = 0):
+    hogs = _hogs(2, after=loaded_after)
     try:
         with pytest.raises(WorkerTimeout) as caught:
             run(recv_first_worker, 2, timeout=timeout, show_output=False)
@@ -250,9 +251,12 @@ def test_a_deadlock_on_a_loaded_machine_is_located_on_every_rank():
 
 @pytest.mark.soak  # a minute: run()'s default timeout
 def test_a_deadlock_with_the_default_timeout_on_a_loaded_machine_is_located_on_every_rank():
+    """Loaded from 10 s before the timeout: the ranks wait in recv until then, and the launcher
+    locates them under load (the test above loads the machine from the start, the ranks' too)."""
     import inspect
 
-    _both_recv_located(timeout=inspect.signature(run).parameters["timeout"].default)
+    timeout = inspect.signature(run).parameters["timeout"].default
+    _both_recv_located(timeout=timeout, loaded_after=timeout - 10)
 
 
 def test_a_ranks_error_is_raised_with_no_launcher_frame_under_the_call():
