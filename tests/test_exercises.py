@@ -19,9 +19,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # One of a tier's longest files: a tier starts it first (helpers/lessons.py).
 STARTS_FIRST = True
 
-# Checked by the soak tier, to keep make test within its 8 minutes: lesson 13's layout exercise,
-# whose reference solution runs a dozen fake steps of Llama 3 8B (a minute and more), its checker's
-# rejections in make test (tests/test_at_scale.py); lesson 14's capstone, five launches of 4 ranks
+# Checked by the soak tier, to keep make test within its minutes: lesson 13's layout exercise,
+# whose reference solution runs 42 fake steps of one or two blocks of Llama 3 8B (40 s; its four
+# of the whole model are read from the sweeps), its checker's rejections in make test
+# (tests/test_at_scale.py); lesson 14's capstone, five launches of 4 ranks
 # (20 s), recipe_step (three launches, 18 s) and entry_point (four torchruns, about a minute),
 # their checkers' rejections in the soak tier too (tests/test_capstone.py); lesson 12's
 # resumable (16 s) and lesson 11's scaled_step (11 s), whose rejections make test runs.
@@ -38,10 +39,29 @@ def _tier(name):
 
 
 @pytest.mark.parametrize("name", [_tier(name) for name in exercises.exercises()])
-def test_checker_passes_the_reference_solution(name):
+def test_checker_passes_the_reference_solution(name, monkeypatch):
+    if name == "choose_plan":
+        _whole_model_steps_from_the_sweeps(monkeypatch)
     result = exercises.check(name, exercises.solution(name))
     assert result.passed, repr(result)
     assert repr(result).startswith(f"[PASSED] {name}\nEvery result was right")
+
+
+def _whole_model_steps_from_the_sweeps(monkeypatch):
+    """choose_plan's reference solution sizes each layout from fake steps of one and two blocks,
+    then confirms its choice by a fake step of the whole model (four of them, 8 s each). A whole
+    model's step of a layout the committed sweeps hold is taken from them here: a sample of their
+    rows is run again and required in tests/test_at_scale.py (the sweep is what a fake run gives).
+    The small steps run."""
+    from helpers.at_scale import fits
+    from helpers.composing.strategy import MODELS
+
+    recorded = {(MODELS[question["model"]], plan): {"peak": {"Total": peak}, "sent": sent}
+                for path, question in fits.SWEEPS.items()
+                for plan, peak, sent in fits.load_sweep(path)}
+    fake_step = fits.fake_step
+    monkeypatch.setattr(fits, "fake_step", lambda shape, plan, *args, **kwargs: recorded.get(
+        (shape, plan)) or fake_step(shape, plan, *args, **kwargs))
 
 
 @pytest.mark.parametrize("name", list(exercises.exercises()))
