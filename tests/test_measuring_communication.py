@@ -75,6 +75,10 @@ def alpha_and_beta_swapped(size1, seconds1, size2, seconds2):
     return beta, seconds1 - size1 / beta
 
 
+def alpha_taken_as_the_first_time(size1, seconds1, size2, seconds2):  # size1 / beta left in
+    return seconds1, (size2 - size1) / (seconds2 - seconds1)
+
+
 def all_to_all_counted_twice(op, world_size, size_bytes, seconds):  # as if it were all_reduce
     if op == "all_to_all":
         return size_bytes / seconds * 2 * (world_size - 1) / world_size
@@ -96,6 +100,8 @@ def whole_array_across_the_nodes(size_bytes, nodes, gpus_per_node, intra_bandwid
     ("bus_bandwidth", all_to_all_counted_twice,
      "For the input op='all_to_all', world_size=4, size_bytes=4194304, seconds=0.004"),
     ("alpha_beta_from_two_points", alpha_and_beta_swapped, "alpha: expected 0.00100000, got"),
+    ("alpha_beta_from_two_points", alpha_taken_as_the_first_time,
+     "alpha: expected 0.00100000, got 0.00600000"),
     ("two_level_all_reduce_seconds", whole_array_across_the_nodes,
      "For the input size_bytes=1073741824, nodes=4, gpus_per_node=8, "
      "intra_bandwidth=450000000000.0, inter_bandwidth=50000000000.0: expected"),
