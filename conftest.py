@@ -142,7 +142,7 @@ def pytest_ignore_collect(collection_path, config):
     this hook about it."""
     tier = config.getoption("--tier")
     if tier:
-        from helpers import lessons  # here, not above: it imports torch
+        from helpers import lessons
 
         tiers = lessons.tiers_of(collection_path)
         if tiers is not None and tier not in tiers:
