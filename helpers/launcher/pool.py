@@ -22,12 +22,12 @@ import threading
 import time
 
 # OpenMP's threads wait for work asleep, never spinning (PyTorch's libgomp spins a while after
-# each parallel operation by default). On a laptop the ranks, the kernel and, in the tests, two
-# pytest workers share a few cores, and a thread that spins between two operations holds a core
-# another rank is waiting for: the tests of three lessons took a third less CPU and wall time
-# (benchmarks/README.md, "OpenMP's wait policy"). OpenMP reads it as torch loads it, so it is set
-# here, before: for this process where it imports helpers before torch, and for the forkserver,
-# whose ranks inherit it. A value set outside is kept.
+# each parallel operation by default). On a laptop the ranks, the kernel and, in the tests,
+# several pytest workers share a few cores, and a thread that spins between two operations holds
+# a core another rank is waiting for: the tests of three lessons took a third less CPU and wall
+# time (benchmarks/README.md, "OpenMP's wait policy"). OpenMP reads it as torch loads it, so it is
+# set here, before: for this process where it imports helpers before torch, and for the
+# forkserver, whose ranks inherit it. A value set outside is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Imported once by the forkserver, so that no rank pays for them: torch, the parallelism modules
