@@ -86,21 +86,21 @@ long: setup
 # test over both workers (no notebooks here): a file's slow tests, lesson 13's and 14's above
 # all, need not wait for each other on one worker. Of a parametrized test, a third of its cases
 # run, chosen from the commit (conftest.py, --cases-share): every test in every run, every case
-# within three commits. `make soak SOAK_SHARE=1` runs them all.
-SOAK_SHARE ?= 3
+# within three commits. `make soak SHARE=1` runs them all (and the slides tier every handout).
+SHARE ?= 3
 soak: setup
-	$(PYTEST) --dist load -m soak --cases-share $(SOAK_SHARE) tests
+	$(PYTEST) --dist load -m soak --cases-share $(SHARE) tests
 
 # Every lesson in a real browser (tests/test_browser.py): as an instructor presents it, RISE's
 # slides in Chromium at 1280 x 720, each lesson's first widget run live and moved, one lesson a
 # test, each printing what it measured (-rA shows it); and two lessons in JupyterLab's notebook
 # view, as a student runs them. And the book (make book) read offline in Chromium, and the
-# handouts printed (tests/test_book.py, first: its handouts are the tier's longest test). Three
-# workers on two cores: a browser waits for pages and kernels (with two, the cores were idle 28 %
-# of the tier; with three, 13 %).
+# handouts printed, a third of the lessons' in a run, taking turns by commit as the soaks' cases
+# do (tests/test_book.py). Three workers on two cores: a browser waits for pages and kernels
+# (with two, the cores were idle 28 % of the tier; with three, 13 %).
 slides: WORKERS = 3
 slides: setup
-	$(PYTEST) --dist load -rA -m slides tests/test_book.py tests/test_browser.py
+	$(PYTEST) --dist load -rA -m slides --cases-share $(SHARE) tests/test_book.py tests/test_browser.py
 
 # The lessons of TIER = "cluster" (lesson 15) against a real Slurm of two nodes that each test
 # starts (as root; Debian's slurm-wlm and munge, installed here where missing): its notebook under
@@ -150,7 +150,8 @@ ci:
 	echo "make ci: every tier passed;$$times"
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
-# launcher's tests (its soaks included) and one notebook. `make test-python
+# launcher's tests (its soaks included, but the one that waits out run()'s default timeout of a
+# minute: its 3-second twin runs the same code) and one notebook. `make test-python
 # OTHER_PYTHON=python3.13`; without OTHER_PYTHON, a warning and nothing else.
 OTHER_VENV := .venv-$(notdir $(OTHER_PYTHON))
 ifeq ($(OTHER_PYTHON),)

@@ -24,10 +24,12 @@
   where it goes.
 - Before any worker starts, the course's own modules (helpers, tests) are compiled to bytecode
   where theirs is missing or stale (`_compile_the_course`).
-- --cases-share N: of each parametrized test, one case in N runs, chosen from the commit (the
-  cases whose index is the commit's number modulo N; a test with fewer cases runs one of them), so
-  that every test runs in every run and every case within N commits. The soak tier uses it: its
-  cases repeat one way of failing with another input, and it was the longest tier.
+- --cases-share N: of each parametrized test marked `soak` or `takes_turns`, one case in N runs,
+  chosen from the commit (the cases whose index is the commit's number modulo N; a test with fewer
+  cases runs one of them), so that every test runs in every run and every case within N commits.
+  The soak tier uses it: its cases repeat one way of failing with another input, and it was the
+  longest tier. So does the slides tier, for the handouts (one lesson's PDF a case: the same
+  printing, each lesson's pages; printing them all was a third of the tier's CPU time).
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (tagged
   `nbval-ignore-output`, with `"nbval_ignore_output_because": "timings"` in its metadata) is not
   run when no later cell of its notebook needs a name it assigns. The other-CPU tier uses it:
@@ -192,9 +194,12 @@ def pytest_collection_modifyitems(config, items):
     _skip_the_cluster_lesson_where_no_cluster_starts(items)
     share = config.getoption("--cases-share")
     if share > 1:
-        kept = cases_kept([item.nodeid for item in items], share, _commit_number())
-        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in kept])
-        items[:] = [item for item in items if item.nodeid in kept]
+        taking_turns = [item for item in items if item.get_closest_marker("soak")
+                        or item.get_closest_marker("takes_turns")]
+        kept = cases_kept([item.nodeid for item in taking_turns], share, _commit_number())
+        left_out = {item.nodeid for item in taking_turns} - kept
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in left_out])
+        items[:] = [item for item in items if item.nodeid not in left_out]
     if not config.getoption("--nbval-skip-timings"):
         return
     skip = pytest.mark.skip(reason="a timing nbval ignores: compared on no pass, run on the first")

@@ -8,6 +8,8 @@ import importlib.util
 import json
 import pathlib
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -238,3 +240,19 @@ def test_a_share_of_cases_keeps_every_test_and_one_case_in_n_chosen_by_the_commi
     # over three commits in a row, every case runs
     assert set().union(*(keep(ids, 3, number) for number in (6, 7, 8))) == set(ids)
     assert keep(ids, 1, 7) == set(ids)
+
+
+
+def test_the_slides_tier_takes_a_third_of_the_handouts_and_every_lesson_as_slides():
+    """--cases-share thins only the tests marked soak or takes_turns: the slides tier's collection
+    (what `make slides` runs, collected only) keeps every lesson's slides test, and the handouts
+    of a third of the lessons; every lesson's handout over three commits (cases_kept, above)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                           "no:cacheprovider", "-m", "slides", "--cases-share", "3",
+                           "tests/test_book.py", "tests/test_browser.py"],
+                          cwd=ROOT, capture_output=True, text=True, check=True)
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    slides = [nodeid for nodeid in ids if "::test_the_lesson_as_slides[" in nodeid]
+    printed = [nodeid for nodeid in ids if "::test_the_handouts_print_each_lesson" in nodeid]
+    assert len(slides) == len(LESSON_NOTEBOOKS) == 15, done.stdout[-500:]
+    assert len(printed) == 5, printed
