@@ -159,7 +159,8 @@ test-python:
 	@echo "warning: no other Python (OTHER_PYTHON=python3.13); only $$($(PY) -V) was tested" >&2
 else
 test-python: other-python
-	$(OTHER_VENV)/bin/python -m pytest -n 2 tests/test_launcher.py tests/test_spawn.py
+	$(OTHER_VENV)/bin/python -m pytest -n 2 -k "not with_the_default_timeout" \
+		tests/test_launcher.py tests/test_spawn.py
 	$(OTHER_VENV)/bin/python -m pytest $(NBVAL) notebooks/01_processes_and_groups.ipynb
 endif
 
