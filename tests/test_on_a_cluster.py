@@ -75,31 +75,53 @@ def test_a_job_left_running_is_cancelled_and_its_processes_ended_by_stop():
     assert not any(os.path.exists(f"/proc/{pid}") for pid in sleepers)
 
 
+# Both ways a job is requeued, one after the other in one job (each way alone took a cluster and a
+# job of its own, and the same reference run): by hand (`scontrol requeue`, as an administrator
+# or a preemption does), then by capstone.sbatch's own trap at a time limit's warning (USR1 to the
+# batch shell alone, what --signal=B:USR1@120 sends; here scancel --batch sends it), which
+# requeues the job itself. Each time Slurm stops the ranks with SIGTERM, they save, and the job
+# runs again from there.
 @pytest.mark.cluster
 @needs_cluster
-def test_the_requeued_job_ends_equal_to_plain_torchrun_having_lost_no_step():
+def test_a_job_requeued_by_hand_then_at_a_time_limits_warning_ends_equal_to_plain_torchrun():
     config = training.LESSON_CONFIG
     with Cluster.start() as cluster:
         directory = cluster.path("capstone")
         job = slurm.submit(cluster, slurm.SCRIPT, directory, *arguments_for(config))
-        slurm.follow(cluster, job, until=lambda: slurm.last_step(directory) >= 5, timeout=90)
-        stopped_after = slurm.last_step(directory)
+        slurm.follow(cluster, job, until=lambda: slurm.last_step(directory) >= 3, timeout=90)
+        by_hand_after = slurm.last_step(directory)
         slurm.requeue(cluster, job)
-        moments = slurm.follow(cluster, job, timeout=120)
-        assert "PENDING (BeginTime)" in slurm.states(moments)
+
+        def second_run_trained_two_steps():
+            started = [event["step"] for event in slurm.events(directory)
+                       if event["event"] == "started" and event["restart"] == 1]
+            return bool(started) and slurm.last_step(directory) >= started[0] + 2
+
+        requeued = slurm.follow(cluster, job, until=second_run_trained_two_steps, timeout=120)
+        warned_after = slurm.last_step(directory)
+        slurm.warn_of_time_limit(cluster, job)
+        warned = slurm.follow(cluster, job, timeout=120)
+        assert "PENDING (BeginTime)" in slurm.states(requeued)
+        assert "PENDING (BeginTime)" in slurm.states(warned)
         assert slurm.job_fields(cluster, job, ("JobState", "Restarts")) == {
-            "JobState": "COMPLETED", "Restarts": "1"}
+            "JobState": "COMPLETED", "Restarts": "2"}
+        with open(os.path.join(directory, f"capstone-{job}.out")) as out:
+            assert out.read().count("time limit near: requeueing") == 1
         events = slurm.events(directory)
         steps, _ = records(directory)
-    stops = {(event["rank"], event["step"]) for event in events if event["event"] == "stopping"}
-    stop = {step for _, step in stops}
-    assert len(stop) == 1 and {rank for rank, _ in stops} == {0, 1, 2, 3}
-    assert stop.pop() >= stopped_after
-    restarted = [event for event in events if event["event"] == "started"
-                 and event["restart"] == 1]
-    assert {event["step"] for event in restarted} == {max(step for _, step in stops)}
-    # each node ran one torchrun with two ranks, in both runs
-    for run in (0, 1):
+    # each time, every rank stopped after the same step, at or after the one seen, and the next
+    # run started from it
+    stops = {}
+    for event in events:
+        if event["event"] == "stopping":
+            stops.setdefault(event["step"], set()).add(event["rank"])
+    assert list(stops.values()) == [{0, 1, 2, 3}] * 2, stops
+    for run, (step, seen) in enumerate(zip(sorted(stops), (by_hand_after, warned_after))):
+        assert step >= seen
+        assert {event["step"] for event in events if event["event"] == "started"
+                and event["restart"] == run + 1} == {step}
+    # each node ran one torchrun with two ranks, in all three runs
+    for run in (0, 1, 2):
         started = [event for event in events
                    if event["event"] == "started" and event["restart"] == run]
         by_node = {}
@@ -113,34 +135,6 @@ def test_the_requeued_job_ends_equal_to_plain_torchrun_having_lost_no_step():
     assert trained == list(range(1, config.steps + 1))  # no step lost, none trained twice
     reference = training.reference_losses(config)
     assert {step: record["loss"] for step, record in steps.items()} == reference
-
-
-@pytest.mark.cluster
-@needs_cluster
-def test_a_time_limits_warning_requeues_the_job_which_ends_equal_to_plain_torchrun():
-    """capstone.sbatch's trap: USR1 to the batch shell alone (what --signal=B:USR1@120 sends
-    before a time limit; sent here with scancel --batch) makes the script requeue its own job; the
-    ranks save at SIGTERM and the requeued job goes on from there."""
-    config = training.LESSON_CONFIG
-    with Cluster.start() as cluster:
-        directory = cluster.path("capstone")
-        job = slurm.submit(cluster, slurm.SCRIPT, directory, *arguments_for(config))
-        slurm.follow(cluster, job, until=lambda: slurm.last_step(directory) >= 3, timeout=90)
-        slurm.warn_of_time_limit(cluster, job)
-        moments = slurm.follow(cluster, job, timeout=120)
-        assert "PENDING (BeginTime)" in slurm.states(moments)
-        assert slurm.job_fields(cluster, job, ("JobState", "Restarts")) == {
-            "JobState": "COMPLETED", "Restarts": "1"}
-        with open(os.path.join(directory, f"capstone-{job}.out")) as out:
-            assert "time limit near: requeueing" in out.read()
-        events = slurm.events(directory)
-        steps, _ = records(directory)
-    stops = {event["step"] for event in events if event["event"] == "stopping"}
-    restarted = {event["step"] for event in events
-                 if event["event"] == "started" and event["restart"] == 1}
-    assert len(stops) == 1 and restarted == stops
-    assert {step: record["loss"] for step, record in steps.items()} == (
-        training.reference_losses(config))
 
 
 def test_the_node_list_exercise_is_checked_where_slurm_is_not_installed(monkeypatch):
