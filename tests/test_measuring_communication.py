@@ -41,6 +41,14 @@ def test_sweep_records_every_size_and_advances_the_progress():
         assert r["busbw"] == pytest.approx(r["size_bytes"] / r["seconds"] * 0.5)
 
 
+def test_a_sweep_times_fewer_calls_where_each_moves_many_bytes():
+    # at most 40 MiB of timed calls a size, never under 3 calls, never over the iterations asked
+    assert [experiments.iterations_at(2**k, 10) for k in range(10, 27, 2)] == [
+        10, 10, 10, 10, 10, 10, 10, 3, 3]  # 1 KiB ... 4 MiB: 10; 16 MiB: 40 // 16 = 2, so 3
+    assert experiments.iterations_at(2**23, 10) == 5  # 8 MiB: 40 // 8
+    assert experiments.iterations_at(2**10, 2) == 2
+
+
 def test_memory_copy_bandwidth_is_a_finite_rate():
     bandwidth = bench.memory_copy_bandwidth(2**20, 3)
     assert math.isfinite(bandwidth) and bandwidth > 0
