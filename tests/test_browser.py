@@ -313,17 +313,27 @@ MEASURE = f"""() => {{
 }}"""
 
 
-def _settle(page, tries=15):
+# Resolves once the sub-slide on screen has stood still for two frames in a row (or after 1.5 s).
+SETTLED = f"""() => new Promise((resolve) => {{
+  const box = () => {{ const r = {PRESENT}.getBoundingClientRect();
+                       return [r.left, r.top, r.width, r.height].map(Math.round).join(); }};
+  setTimeout(resolve, 1500);  // (a page the browser does not draw gets no frames)
+  let last = box(), still = 0, frames = 0;
+  const next = () => requestAnimationFrame(() => {{
+    const now = box();
+    still = now === last ? still + 1 : 0;
+    last = now;
+    if (still >= 2 || ++frames > 90) resolve(); else next();
+  }});
+  next();
+}})"""
+
+
+def _settle(page):
     """Wait until the sub-slide on screen stops moving (with a transition, Reveal slides it in),
-    so that what is measured is where it rests."""
-    where = None
-    for _ in range(tries):
-        page.wait_for_timeout(100)
-        now = page.evaluate(f"() => {{ const r = {PRESENT}.getBoundingClientRect();"
-                            " return [r.left, r.top, r.width, r.height].map(Math.round); }")
-        if now == where:
-            return
-        where = now
+    so that what is measured is where it rests: two frames alike, in the page itself (the
+    lessons' slides have no transition: a few hundredths of a second)."""
+    page.evaluate(SETTLED)
 
 
 def _bottom_reached(page, height):
@@ -490,7 +500,7 @@ def test_the_lesson_as_slides(lab, lesson):
                                   "'.reveal .slides section section').length]")
             assert count == [len(slides.slides(cells)), len(plan)]
             for index, sub_slide in enumerate(plan):
-                _settle(page)  # (the lessons' slides have no transition: it returns at once)
+                _settle(page)
                 measured = page.evaluate(MEASURE)
                 # the sub-slide the plan says (RISE names each #/slide-<slide>-<sub-slide>)
                 expected = f"#/slide-{places[index][0]}-{places[index][1]}"
