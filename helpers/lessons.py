@@ -24,10 +24,6 @@ What a lesson needs first, for its title slide and the syllabus: `NEEDS`, the nu
 earlier lessons a student must have done (every lesson it takes code from among them,
 tests/test_structure.py); () for the first.
 
-And one for its slides: `SPEAKER_NOTES = True` says that each of its sub-slides shows at most
-`helpers.slides.WORDS_ON_A_SUB_SLIDE` words of prose, the rest of the explanation being in
-speaker notes (docs/presenting.md); tests/test_slides.py and the slides tier hold it to that.
-
 What each tier runs, before its markers (`-m`) choose among the tests:
 
     --tier      notebooks                             test files
@@ -59,7 +55,6 @@ class Lesson:
     tier: str = "test"  # TIER: one of TIERS
     slow: bool = False  # SLOW
     rounding_free: bool = False  # ROUNDING_FREE
-    speaker_notes: bool = False  # SPEAKER_NOTES
     needs: tuple = ()  # NEEDS: the earlier lessons' numbers
 
 
@@ -84,7 +79,7 @@ def _lesson(package) -> Lesson:
         raise ValueError(f"{package.__name__}: TIER is {tier!r}; a lesson's tier is one of "
                          f"{', '.join(map(repr, TIERS))}")
     flags = {name: getattr(package, name, False)
-             for name in ("SLOW", "ROUNDING_FREE", "SPEAKER_NOTES")}
+             for name in ("SLOW", "ROUNDING_FREE")}
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{package.__name__}: {name} is {value!r}; it is True or False")
@@ -94,7 +89,7 @@ def _lesson(package) -> Lesson:
         raise ValueError(f"{package.__name__}: NEEDS is {needs!r}; it is a tuple of earlier "
                          "lessons' numbers")
     return Lesson(number, stem, package.__name__, tier, flags["SLOW"],
-                  flags["ROUNDING_FREE"], flags["SPEAKER_NOTES"], tuple(sorted(needs)))
+                  flags["ROUNDING_FREE"], tuple(sorted(needs)))
 
 
 def lesson_of(path) -> Lesson | None:

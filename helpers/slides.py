@@ -143,7 +143,7 @@ def _paragraphs(lines: list) -> list:
 
 
 # A sub-slide shows its point, and the speaker notes hold the rest (docs/presenting.md): at most
-# this many words of prose on one, in the lessons that say SPEAKER_NOTES = True.
+# this many words of prose on one, in every lesson.
 WORDS_ON_A_SUB_SLIDE = 60
 
 

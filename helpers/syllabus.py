@@ -130,10 +130,15 @@ def title_slide(lesson) -> str:
     lessons it needs, how long its talk takes by this module's model, and its exercises."""
     every = lessons()
     by_number = {other.number: other for other in every}
+    # the lessons needed, by number and title; by number alone where more than two, whose titles
+    # would take the room of the slide's 60 words (the syllabus's table has them all)
     needs = ("Python and PyTorch's basics (tensors, autograd, an optimizer); a laptop, no GPU"
              if not lesson.needs else
-             "lesson" + "s" * (len(lesson.needs) > 1) + " " + " · ".join(
-                 f"{number:02d} {_title(by_number[number])}" for number in lesson.needs))
+             "lesson" + "s" * (len(lesson.needs) > 1) + " " + (" · ".join(
+                 f"{number:02d} {_title(by_number[number])}" for number in lesson.needs)
+                 if len(lesson.needs) <= 2 else
+                 ", ".join(f"{number:02d}" for number in lesson.needs[:-1])
+                 + f" and {lesson.needs[-1]:02d}"))
     minutes = round(sum(section.minutes for section in sections(lesson)))
     pieces = len(parts(lesson))
     own = [exercise for exercise in exercises().values() if exercise.lesson == lesson.package]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
 
-from helpers import lessons, present, slides
+from helpers import present, slides
 
 REPO = Path(__file__).resolve().parent.parent
 SCREENSHOTS = REPO / "test-artifacts" / "browser"
@@ -547,10 +547,9 @@ def test_the_lesson_as_slides(lab, lesson):
     assert smallest[0] >= CODE_PX, smallest
     assert prose[0] >= PROSE_PX, prose
     assert widget is None or widget[2], widget
-    if lessons.lesson_of(lesson).speaker_notes:  # the rest of the explanation in speaker notes
-        assert max(words) <= slides.WORDS_ON_A_SUB_SLIDE, [
-            (index + 1, count) for index, count in enumerate(words)
-            if count > slides.WORDS_ON_A_SUB_SLIDE]
+    assert max(words) <= slides.WORDS_ON_A_SUB_SLIDE, [  # the rest is in speaker notes
+        (index + 1, count) for index, count in enumerate(words)
+        if count > slides.WORDS_ON_A_SUB_SLIDE]
 
 
 @pytest.mark.slides

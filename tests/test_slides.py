@@ -1,6 +1,6 @@
 """The lessons' slides (helpers.slides): the committed metadata is what the tool writes, every
-section heading starts a slide, each sub-slide fits the screen by the tool's estimate, and in a
-lesson with speaker notes (SPEAKER_NOTES) none shows more than 60 words of prose."""
+section heading starts a slide, each sub-slide fits the screen by the tool's estimate, and none
+shows more than 60 words of prose (the rest of the explanation is in speaker notes)."""
 
 import base64
 import copy
@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from helpers import lessons, slides
+from helpers import slides
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob(
     "[0-9][0-9]_*.ipynb"))
@@ -77,7 +77,7 @@ def test_prose_is_cut_at_headings_and_paragraphs_but_not_inside_code():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_a_lesson_with_speaker_notes_shows_at_most_60_words_a_sub_slide(path):
+def test_every_sub_slide_shows_at_most_60_words_the_rest_in_speaker_notes(path):
     cells = json.loads(path.read_text())["cells"]
     words = [slides.prose_words(sub_slide) for slide in slides.slides(cells)
              for sub_slide in slide]
@@ -85,9 +85,8 @@ def test_a_lesson_with_speaker_notes_shows_at_most_60_words_a_sub_slide(path):
             if count > slides.WORDS_ON_A_SUB_SLIDE]
     print(f"{path.stem}: {len(words)} sub-slides, {len(over)} over "
           f"{slides.WORDS_ON_A_SUB_SLIDE} words of prose, the most {max(words)}")
-    if lessons.lesson_of(path).speaker_notes:
-        assert slides.WORDS_ON_A_SUB_SLIDE == 60
-        assert over == [], "(sub-slide, words): move the explanation into notes cells"
+    assert slides.WORDS_ON_A_SUB_SLIDE == 60
+    assert over == [], "(sub-slide, words): move the explanation into notes cells"
 
 
 def test_prose_words_are_the_texts_words_outside_tables_code_and_notes():

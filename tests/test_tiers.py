@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LESSON_NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # What a lesson's __init__.py may define in capitals: a mistyped tier constant would otherwise
 # leave its lesson at the defaults without a word.
-LESSON_CONSTANTS = {"NOTEBOOK", "BUILDS_ON", "TIER", "SLOW", "ROUNDING_FREE", "SPEAKER_NOTES",
+LESSON_CONSTANTS = {"NOTEBOOK", "BUILDS_ON", "TIER", "SLOW", "ROUNDING_FREE",
                     "CAN_DO", "NEEDS"}
 
 
@@ -31,7 +31,7 @@ def test_every_lessons_constants_are_valid():
         assert capitals <= LESSON_CONSTANTS, f"{lesson.package}: {capitals - LESSON_CONSTANTS}"
         assert lesson.tier in ("test", "long", "cluster")
         assert all(isinstance(flag, bool)
-                   for flag in (lesson.slow, lesson.rounding_free, lesson.speaker_notes))
+                   for flag in (lesson.slow, lesson.rounding_free))
 
 
 @pytest.mark.parametrize("notebook", LESSON_NOTEBOOKS, ids=lambda path: path.stem)

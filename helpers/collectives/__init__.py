@@ -6,6 +6,5 @@ checked exercises; solutions: their reference solutions.
 
 NOTEBOOK = "03_collectives.ipynb"
 NEEDS = (1,)  # lessons to do first (helpers.lessons)
-SPEAKER_NOTES = True  # its slides keep their point, the notes the rest (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("choose the collective a pattern needs, and compute on sharded data with it")

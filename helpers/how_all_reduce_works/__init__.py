@@ -8,6 +8,5 @@ solutions.
 
 NOTEBOOK = "05_how_all_reduce_works.ipynb"
 NEEDS = (2, 3, 4)  # lessons to do first (helpers.lessons)
-SPEAKER_NOTES = True  # its slides keep their point, the notes the rest (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("run ring and tree all-reduce step by step, and say which wins at which size and scale")

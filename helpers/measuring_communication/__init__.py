@@ -8,7 +8,6 @@ solutions: their reference solutions.
 
 NOTEBOOK = "04_measuring_communication.ipynb"
 NEEDS = (3,)  # lessons to do first (helpers.lessons)
-SPEAKER_NOTES = True  # its slides keep their point, the notes the rest (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("time a collective as its slowest rank, tell algbw from busbw, and fit the alpha-beta "
           "model")

@@ -6,7 +6,6 @@ exercises; solutions: their reference solutions.
 
 NOTEBOOK = "02_point_to_point.ipynb"
 NEEDS = (1,)  # lessons to do first (helpers.lessons)
-SPEAKER_NOTES = True  # its slides keep their point, the notes the rest (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("move tensors between ranks with send and recv, blocking or not, without deadlock")
 # No rounding can change its notebook's outputs: the other-CPU tier leaves it out

@@ -6,7 +6,6 @@ exercises; solutions: their reference solutions.
 """
 
 NOTEBOOK = "01_processes_and_groups.ipynb"
-SPEAKER_NOTES = True  # its slides keep their point, the notes the rest (helpers.lessons)
 # After the lesson, a student can (docs/syllabus.md):
 CAN_DO = ("start ranks that join one group, make subgroups on every rank, and read a failing rank's"
           " traceback")
