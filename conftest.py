@@ -29,7 +29,7 @@
   cases runs one of them), so that every test runs in every run and every case within N commits.
   The soak tier uses it: its cases repeat one way of failing with another input, and it was the
   longest tier. So does the slides tier, for the handouts (one lesson's PDF a case: the same
-  printing, each lesson's pages; printing them all was a third of the tier's CPU time).
+  printing, each lesson's pages; all fifteen were one test of 191 s, the tier's longest).
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (tagged
   `nbval-ignore-output`, with `"nbval_ignore_output_because": "timings"` in its metadata) is not
   run when no later cell of its notebook needs a name it assigns. The other-CPU tier uses it:

@@ -193,7 +193,8 @@ def _sub_slides(notebook: Path) -> int:
 
 # A lesson a case: the slides tier runs a third of them, chosen from the commit (--cases-share 3,
 # conftest.py), so every lesson's handout is printed within three commits. Printing is the same
-# for every lesson, and it was a third of the tier's CPU time; make handouts prints them all.
+# for every lesson, and all fifteen took 191 s, the tier's longest test; make handouts prints
+# them all.
 @pytest.mark.takes_turns
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda lesson: lesson.name[:2])
 def test_the_handouts_print_each_lesson_one_sub_slide_a_page(tmp_path, lesson):

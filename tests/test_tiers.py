@@ -242,7 +242,6 @@ def test_a_share_of_cases_keeps_every_test_and_one_case_in_n_chosen_by_the_commi
     assert keep(ids, 1, 7) == set(ids)
 
 
-
 def test_the_slides_tier_takes_a_third_of_the_handouts_and_every_lesson_as_slides():
     """--cases-share thins only the tests marked soak or takes_turns: the slides tier's collection
     (what `make slides` runs, collected only) keeps every lesson's slides test, and the handouts
