@@ -2,8 +2,8 @@
 
 MyST-NB reads the committed notebooks without executing them; sphinx-book-theme, the theme of
 Jupyter Book 1, gives the navigation. Every asset is local: no widget scripts (book/website.py
-replaces each explorer by a line, under the static figure the notebook draws above it), no MathJax
-(no page has math), no web fonts.
+replaces each explorer by the picture it starts from and a line), no MathJax (no page has math),
+no web fonts.
 """
 
 project = "Distributed PyTorch, hands-on"

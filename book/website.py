@@ -6,9 +6,10 @@ executed again), readable offline.
 Staged: README.md as the front page (with the table of contents the navigation needs appended,
 and the other pages' links to it pointed there), the lessons' notebooks, the docs and the other
 READMEs it links to, the figures of its gallery, and book/conf.py with its stylesheet. In each
-notebook an explorer's live widget, which needs a running kernel, is replaced by a line saying
-so: its static figure is the cell above it (tests/test_book.py checks it). Sphinx runs with warnings
-as errors, so a link to a page that is not there fails the build.
+notebook an explorer's live widget, which needs a running kernel, gives way to the picture it
+starts from, which its saved output carries (helpers/explorer.py), and a line saying where its
+sliders move. Sphinx runs with warnings as errors, so a link to a page that is not there fails
+the build.
 Runs in the book's own environment (requirements-book.txt, `make book`): no torch needed.
 """
 
@@ -28,8 +29,9 @@ LESSONS = sorted(ROOT.glob("notebooks/[0-9][0-9]_*.ipynb"))
 PAGES = ["docs/syllabus.md", "docs/teaching.md", "docs/presenting.md", "docs/platforms.md",
          "docs/book.md", "CONTRIBUTING.md", "helpers/launcher/README.md", "benchmarks/README.md"]
 WIDGET = "application/vnd.jupyter.widget-view+json"
-LIVE_ONLY = ("An explorer is here in the notebook: its sliders need a running kernel, so open the "
-             "lesson in Jupyter (`make lab`) to move them.")
+PNG = "image/png"
+LIVE_ONLY = ("An explorer starts from this picture in the notebook: its sliders need a running "
+             "kernel, so open the lesson in Jupyter (`make lab`) to move them.")
 # The worker pool's start, which the first code cell of every lesson shows as it runs (a printed
 # line, helpers.notebook.WarmUpIndicator, and its progress bar): the kernel's business, not the
 # lesson's.
@@ -57,20 +59,31 @@ def stage(source: Path) -> None:
 
 
 def for_the_book(notebook: dict) -> dict:
-    """The notebook as the book shows it: each live widget's output a line saying where it runs,
-    no widget state (its scripts would come from a CDN), and not the worker pool's start."""
+    """The notebook as the book shows it: each live widget's output its first picture and a line
+    saying where it runs, no widget state (its scripts would come from a CDN), and not the worker
+    pool's start."""
     notebook = json.loads(json.dumps(notebook))
     notebook["metadata"].pop("widgets", None)
     for cell in notebook["cells"]:
-        for index, output in enumerate(cell.get("outputs", [])):
-            if WIDGET in output.get("data", {}):
-                cell["outputs"][index] = {
-                    "output_type": "display_data", "metadata": {},
-                    "data": {"text/markdown": LIVE_ONLY, "text/plain": LIVE_ONLY}}
         if "outputs" in cell:
             cell["outputs"] = [kept for output in cell["outputs"]
-                               if (kept := _without_the_warm_up(output)) is not None]
+                               for shown in _without_the_widget(output)
+                               if (kept := _without_the_warm_up(shown)) is not None]
     return notebook
+
+
+def _without_the_widget(output: dict) -> list:
+    """A live widget's output as its picture (helpers/explorer.py) and the line LIVE_ONLY; any
+    other output as it is."""
+    data = output.get("data", {})
+    if WIDGET not in data:
+        return [output]
+    line = {"output_type": "display_data", "metadata": {},
+            "data": {"text/markdown": LIVE_ONLY, "text/plain": LIVE_ONLY}}
+    pictures = [{"output_type": "display_data", "metadata": {},
+                 "data": {PNG: data[PNG], "text/plain": "the explorer's first picture"}}
+                ] if PNG in data else []
+    return pictures + [line]
 
 
 def _without_the_warm_up(output: dict) -> dict | None:

@@ -70,10 +70,10 @@ def output_height(output: dict) -> int:
     if "text" in output:
         return OUTPUT_MARGIN + _text_height("".join(output["text"]))
     data = output.get("data", {})
+    if "application/vnd.jupyter.widget-view+json" in data:  # live, not its saved first picture
+        return WIDGET
     if "image/png" in data:
         return OUTPUT_MARGIN + _png_height(data["image/png"])
-    if "application/vnd.jupyter.widget-view+json" in data:
-        return WIDGET
     if "text/html" in data:  # show_code's source, a checker's message (its lines), a progress bar
         lines = max("".join(data.get("text/plain", "")).count("\n"),
                     "".join(data["text/html"]).count("\n")) + 1

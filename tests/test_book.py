@@ -3,7 +3,7 @@ and `make handouts` (book/handouts.py): each lesson's slides as a PDF, one sub-s
 
 Every page loads without a request leaving the disk; every internal link leads to a page, and
 every #anchor to an element of it; every figure of each lesson's notebook is on its page, drawn;
-each explorer's live widget gives way to a line (its static figure is the cell above); the
+each explorer's live widget gives way to its first picture and a line saying where it moves; the
 navigation lists every lesson; the search finds a lesson. The book is built from a fresh copy of
 the committed notebooks by the Makefile's own target. Screenshots: test-artifacts/book/.
 The handouts' pages are counted against the sub-slides the notebooks' slideshow metadata starts,
@@ -112,14 +112,11 @@ def _widgets(notebook: Path) -> int:
                for cell in cells for output in cell.get("outputs", []))
 
 
-def _widgets_without_a_figure_above(notebook: Path) -> list:
-    """The cells whose live widget does not follow a code cell that drew its first picture."""
-    code = [(index, cell) for index, cell in enumerate(json.loads(notebook.read_text())["cells"])
-            if cell["cell_type"] == "code"]
-    nothing = (None, {"outputs": []})  # above the first code cell
-    return [index for (_, above), (index, cell) in zip([nothing] + code, code)
-            if any(website.WIDGET in output.get("data", {}) for output in cell["outputs"])
-            and not any("image/png" in output.get("data", {}) for output in above["outputs"])]
+def _widgets_without_a_picture(notebook: Path) -> list:
+    """The cells whose live widget's saved output does not carry a picture of its first state."""
+    cells = json.loads(notebook.read_text())["cells"]
+    return [index for index, cell in enumerate(cells) for output in cell.get("outputs", [])
+            if website.WIDGET in output.get("data", {}) and website.PNG not in output["data"]]
 
 
 def test_every_page_loads_offline_with_its_figures_and_links(book, offline_browser):
@@ -154,15 +151,16 @@ def test_every_page_loads_offline_with_its_figures_and_links(book, offline_brows
     lesson_pages = {(book / "notebooks" / f"{lesson.stem}.html").as_uri() for lesson in LESSONS}
     assert lesson_pages <= set(front["links"])
 
-    # Each lesson: every figure its notebook holds, in the page's main column, and each live
-    # widget replaced by the line that says where it runs; not the worker pool's start.
+    # Each lesson: every figure its notebook holds (an explorer's first picture among them), in
+    # the page's main column, and each live widget replaced by its picture and the line that says
+    # where it runs; not the worker pool's start.
     for lesson in LESSONS:
         page = read[book / "notebooks" / f"{lesson.stem}.html"]
         figures = [image for image in page["images"] if image["main"]]
         assert len(figures) == _image_outputs(lesson), lesson.name
         assert page["text"].count(website.LIVE_ONLY.replace("`", "")) == _widgets(lesson)
         assert "Warming up" not in page["text"] and "worker pool: ready" not in page["text"]
-        assert _widgets_without_a_figure_above(lesson) == [], lesson.name
+        assert _widgets_without_a_picture(lesson) == [], lesson.name
         assert "interactive(children=" not in page["text"]
 
 

@@ -206,10 +206,10 @@ def test_a_planted_init_device_mesh_is_seen(tmp_path):
     assert meshes_made(planted) == [("f", "Lays out.")]
 
 
-# Kernel-side modules, by role: what draws, what a notebook calls to start ranks (experiments,
-# the launcher's launch), the exercises and the lesson registry; and the instructor's programs
-# (the syllabus, the release, the grader), which no rank runs.
-KERNEL_SIDE = re.compile(r"(plots|widgets|drawing|notebook|experiments|launch|exercises|"
+# Kernel-side modules, by role: what draws (an explorer too), what a notebook calls to start
+# ranks (experiments, the launcher's launch), the exercises and the lesson registry; and the
+# instructor's programs (the syllabus, the release, the grader), which no rank runs.
+KERNEL_SIDE = re.compile(r"(plots|widgets|explorer|drawing|notebook|experiments|launch|exercises|"
                          r"lessons|syllabus|release|grading(\..+)?)$")
 KERNEL_ONLY = ("matplotlib", "ipywidgets", "helpers.launcher.launch")
 

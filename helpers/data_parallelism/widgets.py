@@ -4,6 +4,7 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
 from helpers.data_parallelism import plots
+from helpers.explorer import explorer
 
 BUCKET_CHOICES = [(f"{mib:g} MiB", mib * 2**20) for mib in (0.25, 0.5, 1, 2, 4, 8, 16, 64)]
 
@@ -42,7 +43,7 @@ def bucket_explorer(grad_bytes: list, measured: dict, alpha: float, beta: float,
         draw_bucket_model(grad_bytes, measured, alpha, beta, bucket_bytes, world_size)
         plt.show()
 
-    return widgets.interactive(
+    return explorer(
         show,
         bucket_bytes=widgets.SelectionSlider(options=BUCKET_CHOICES, value=bucket_bytes,
                                              description="bucket"),

@@ -3,10 +3,11 @@
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
+from helpers.explorer import Explorer, explorer
 from helpers.how_all_reduce_works import plots
 
 
-def ring_stepper(traces: list) -> widgets.interactive:
+def ring_stepper(traces: list) -> Explorer:
     """A slider over the recorded steps of the ring all-reduce (`workers.ring_trace_worker`),
     labelled as the panel's title numbers them: "start", then step 0, 1, ..."""
     def show(index):
@@ -16,8 +17,7 @@ def ring_stepper(traces: list) -> widgets.interactive:
 
     labels = [("start" if step < 0 else str(step), index)
               for index, (step, _, _) in enumerate(traces[0])]
-    return widgets.interactive(show, index=widgets.SelectionSlider(options=labels,
-                                                                   description="step"))
+    return explorer(show, index=widgets.SelectionSlider(options=labels, description="step"))
 
 
 def topology_explorer(n: int = 64, megabytes: float = 100.0, device_gb_s: float = 50.0):
@@ -26,7 +26,7 @@ def topology_explorer(n: int = 64, megabytes: float = 100.0, device_gb_s: float 
         plots.plot_topologies(devices, megabytes * 1e6, device_gb_s * 1e9)
         plt.show()
 
-    return widgets.interactive(
+    return explorer(
         show,
         devices=widgets.IntSlider(value=n, min=4, max=1024, step=4, description="devices"),
         megabytes=widgets.FloatLogSlider(value=megabytes, base=10, min=0, max=4,

@@ -3,6 +3,7 @@
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
+from helpers.explorer import explorer
 from helpers.pipeline_parallelism import plots
 from helpers.pipeline_parallelism.ideal import bubble, simulate
 from helpers.pipeline_parallelism.schedule import SCHEDULES, bubble_formula
@@ -19,7 +20,7 @@ def schedule_explorer(num_stages: int = 4, num_micro_batches: int = 8, schedule:
               f"{100 * bubble_formula(num_stages, num_micro_batches):.1f} %); at most {most} "
               f"micro-batches' activations kept on a rank")
 
-    return widgets.interactive(
+    return explorer(
         show,
         num_stages=widgets.IntSlider(value=num_stages, min=2, max=8, description="stages p"),
         num_micro_batches=widgets.IntSlider(value=num_micro_batches, min=1, max=16,

@@ -3,6 +3,7 @@
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
+from helpers.explorer import explorer
 from helpers.zero_and_fsdp import plots
 from helpers.zero_and_fsdp.memory import largest_model
 
@@ -20,7 +21,7 @@ def memory_calculator(billions: float = 7.5, world_size: int = 64, precision: st
             for stage in range(4))
         print(f"the largest model whose states fit in {memory_gb:g} GB per rank: {fits}")
 
-    return widgets.interactive(
+    return explorer(
         show,
         billions=widgets.FloatLogSlider(value=billions, base=10, min=-1, max=3,
                                         description="B params"),
