@@ -24,6 +24,10 @@
   where it goes.
 - Before any worker starts, the course's own modules (helpers, tests) are compiled to bytecode
   where theirs is missing or stale (`_compile_the_course`).
+- Without --tier (the soak and slides tiers, test by test over the workers), the tests marked
+  `starts_first` go first, in the order collected. They are the ones that wait out a timeout or
+  run longest: begun together at the start, the others fill the cores while they wait. Begun
+  last, a soak's one-minute wait for run()'s default timeout once left both cores idle for 50 s.
 - --cases-share N: of each parametrized test marked `soak` or `takes_turns`, one case in N runs,
   chosen from the commit (the cases whose index is the commit's number modulo N; a test with fewer
   cases runs one of them), so that every test runs in every run and every case within N commits.
@@ -191,6 +195,8 @@ def _source(item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--tier"):
         _slowest_first(items)
+    else:
+        _marked_first(items)
     _skip_the_cluster_lesson_where_no_cluster_starts(items)
     share = config.getoption("--cases-share")
     if share > 1:
@@ -264,6 +270,11 @@ def _slowest_first(items):
             module = getattr(item, "module", None)  # a notebook's cells have none
             keys[item.path] = lessons.start_key(item.path, getattr(module, "STARTS_FIRST", False))
     items.sort(key=lambda item: keys[item.path])
+
+
+def _marked_first(items):
+    """The items marked `starts_first` first, each group in its order (the sort is stable)."""
+    items.sort(key=lambda item: item.get_closest_marker("starts_first") is None)
 
 
 def _skip_the_cluster_lesson_where_no_cluster_starts(items):

@@ -212,6 +212,7 @@ def honest_grades_are_what_was_planted(folder):
 # The honest students are graded among the hostile ones, and get what was planted for them: the
 # hostile submissions cost only their own points.
 @pytest.mark.soak  # about 2 minutes: eleven sandboxes, one answer hanging to its limit
+@pytest.mark.starts_first  # the soak's longest
 def test_an_honest_class_and_hostile_submissions_that_cost_only_their_own_points(
         course_for_students, tmp_path):
     folder = tmp_path / "class"

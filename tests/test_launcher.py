@@ -252,6 +252,7 @@ def test_a_deadlock_on_a_loaded_machine_is_located_on_every_rank():
 
 
 @pytest.mark.soak  # a minute: run()'s default timeout
+@pytest.mark.starts_first  # 50 s of it waiting: others fill the cores
 def test_a_deadlock_with_the_default_timeout_on_a_loaded_machine_is_located_on_every_rank():
     """Loaded from 10 s before the timeout: the ranks wait in recv until then, and the launcher
     locates them under load (the test above loads the machine from the start, the ranks' too)."""

@@ -242,6 +242,17 @@ def test_a_share_of_cases_keeps_every_test_and_one_case_in_n_chosen_by_the_commi
     assert keep(ids, 1, 7) == set(ids)
 
 
+def test_without_a_tier_the_tests_marked_to_start_first_do_each_group_in_its_order():
+    def item(name, first=False):
+        return SimpleNamespace(name=name, get_closest_marker=lambda marker: (
+            object() if first and marker == "starts_first" else None))
+
+    collected = [item("a"), item("waits 1", first=True), item("b"), item("c"),
+                 item("waits 2", first=True)]
+    _root_conftest()._marked_first(collected)
+    assert [test.name for test in collected] == ["waits 1", "waits 2", "a", "b", "c"]
+
+
 def test_the_slides_tier_takes_a_third_of_the_handouts_and_every_lesson_as_slides():
     """--cases-share thins only the tests marked soak or takes_turns: the slides tier's collection
     (what `make slides` runs, collected only) keeps every lesson's slides test, and the handouts
