@@ -9,13 +9,12 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
 setup: $(INSTALLED)
 
-# --no-compile: pip would compile every module it installs to bytecode, one core at a time (torch's
-# compiler stack and tests, Jupyter's server, ...), where Python compiles a module the first time
-# it is imported. From a fresh clone on 2026-11-30: install 47 s with pip's compiling, 25 s without;
-# the first import of torch, matplotlib, ipykernel and nbval 0.3 s slower.
+# pip compiles every module to bytecode as it installs (47 s with, 25 s without, on 2026-11-30). Not
+# without: where PYTHONDONTWRITEBYTECODE is set, as on CI's machine, nothing would compile them
+# later, and every process would compile torch from source (tried: make test 7:27 became 10:08).
 $(INSTALLED): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt -e .
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -e .
 	touch $@
 
 # JupyterLab refuses to run as root (containers, cloud VMs) unless told it may.
@@ -197,8 +196,7 @@ BOOK_VENV := .venv-book
 BOOK ?= build/book
 $(BOOK_VENV)/.installed: requirements-book.txt
 	test -x $(BOOK_VENV)/bin/python || $(PYTHON) -m venv $(BOOK_VENV)
-	$(BOOK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile \
-		-r requirements-book.txt
+	$(BOOK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-book.txt
 	touch $@
 
 book: $(BOOK_VENV)/.installed
