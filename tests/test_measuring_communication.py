@@ -116,3 +116,14 @@ def whole_array_across_the_nodes(size_bytes, nodes, gpus_per_node, intra_bandwid
 ])
 def test_checker_rejects_a_typical_mistake(name, mistake, says):
     expect_rejection(name, mistake, says)
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (algbw_not_busbw, "Hint: that is algbw, S / t."),
+    (input_taken_for_the_whole_array, "Hint: all_gather's input is one rank's piece; "
+                                      "nccl-tests' S is the gathered output, 3 pieces"),
+    (all_to_all_counted_twice, "Hint: which factor does nccl-tests give this collective?"),
+])
+def test_the_bus_bandwidth_checker_names_the_usual_mistake(mistake, hint):
+    text = expect_rejection("bus_bandwidth", mistake, "For the input")
+    assert hint in text, text

@@ -1,5 +1,7 @@
 """Lesson 04's exercises, checked by `helpers.exercises.check(name, your_function)`."""
 
+import math
+
 from helpers.cost_model import BUSBW_FACTORS, bandwidths
 from helpers.exercises import Exercise
 
@@ -19,6 +21,22 @@ def _whole_array(op, world_size, input_bytes):
     return input_bytes * world_size if op == "all_gather" else input_bytes
 
 
+def _bus_bandwidth_hint(got, expected, op, world_size, input_bytes, seconds):
+    """The two usual mistakes, recognised: algbw returned for busbw, and all_gather's S taken as
+    one rank's input."""
+    if not isinstance(got, int | float):
+        return None
+    whole = _whole_array(op, world_size, input_bytes)
+    algbw = bandwidths(op, world_size, whole, seconds)["algbw"]
+    if math.isclose(got, algbw, rel_tol=1e-6) and not math.isclose(algbw, expected, rel_tol=1e-6):
+        return ("that is algbw, S / t. busbw is what each rank's link carries: algbw times the "
+                "collective's factor")
+    if whole != input_bytes and math.isclose(got * whole / input_bytes, expected, rel_tol=1e-6):
+        return (f"{op}'s input is one rank's piece; nccl-tests' S is the gathered output, "
+                f"{world_size} pieces")
+    return None
+
+
 EXERCISES = {
     "bus_bandwidth": Exercise(
         "given op, world size n, the bytes of the input tensor each rank passes to the call, and "
@@ -29,7 +47,9 @@ EXERCISES = {
          ("all_to_all", 4, 2**22, 0.004), ("reduce", 6, 2**20, 0.003)],
         lambda op, n, input_bytes, seconds: bandwidths(
             op, n, _whole_array(op, n, input_bytes), seconds)["busbw"],
-        distributed=False),
+        distributed=False, hint_for=_bus_bandwidth_hint,
+        hint="which factor does nccl-tests give this collective? The table under *algbw and "
+             "busbw* has one for each"),
     "alpha_beta_from_two_points": Exercise(
         "given two measurements (size1, t1) and (size2, t2) of t = alpha + size / beta, "
         "return (alpha, beta)",
