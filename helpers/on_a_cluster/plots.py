@@ -25,11 +25,11 @@ def plot_requeued(moments: list, events: list, submitted: float, requeued: float
         colour = STATES.get(moment.state)
         if colour:
             life.axvspan(moment.time - submitted, end - submitted, color=colour, zorder=0)
-            if end - moment.time > 1.5 and moment.state != "COMPLETING":  # the legend names it
-                reason = f" ({moment.reason})" if moment.reason not in ("None", "") else ""
-                life.annotate(moment.state.lower() + reason, (moment.time - submitted, 1.0),
-                              xytext=(3, -11), xycoords=("data", "axes fraction"),
-                              textcoords="offset points", fontsize=7.5, color="#555555")
+            if moment.reason not in ("None", ""):  # the legend names the state; this, why
+                life.annotate(f"reason: {moment.reason}",
+                              ((moment.time + end) / 2 - submitted, 1.0), xytext=(0, -11),
+                              xycoords=("data", "axes fraction"), textcoords="offset points",
+                              fontsize=8, color="#555555", ha="center")
     markers = {"step": ("|", 10), "saved": ("v", 6), "stopping": ("s", 6), "started": (">", 6)}
     for event in events:
         marker, size = markers.get(event["event"], (None, 0))
