@@ -30,10 +30,10 @@ def _bus_bandwidth_hint(got, expected, op, world_size, input_bytes, seconds):
     algbw = bandwidths(op, world_size, whole, seconds)["algbw"]
     if math.isclose(got, algbw, rel_tol=1e-6) and not math.isclose(algbw, expected, rel_tol=1e-6):
         return ("that is algbw, S / t. busbw is what each rank's link carries: algbw times the "
-                "collective's factor")
+                "collective's factor.")
     if whole != input_bytes and math.isclose(got * whole / input_bytes, expected, rel_tol=1e-6):
         return (f"{op}'s input is one rank's piece; nccl-tests' S is the gathered output, "
-                f"{world_size} pieces")
+                f"{world_size} pieces.")
     return None
 
 
@@ -48,8 +48,8 @@ EXERCISES = {
         lambda op, n, input_bytes, seconds: bandwidths(
             op, n, _whole_array(op, n, input_bytes), seconds)["busbw"],
         distributed=False, hint_for=_bus_bandwidth_hint,
-        hint="which factor does nccl-tests give this collective? The table under *algbw and "
-             "busbw* has one for each"),
+        hint="which factor does nccl-tests give this collective? The table under \"algbw and "
+             "busbw\" has one for each."),
     "alpha_beta_from_two_points": Exercise(
         "given two measurements (size1, t1) and (size2, t2) of t = alpha + size / beta, "
         "return (alpha, beta)",
