@@ -8,6 +8,8 @@ from helpers.pipeline_parallelism import plots
 from helpers.pipeline_parallelism.ideal import bubble, simulate
 from helpers.pipeline_parallelism.schedule import SCHEDULES, bubble_formula
 
+LABELS = {"description_width": "120px"}  # "micro-batches m" whole, not "micro-ba..."
+
 
 def schedule_explorer(num_stages: int = 4, num_micro_batches: int = 8, schedule: str = "1f1b"):
     """Sliders for p and m and a choice of schedule: its ideal Gantt chart and bubble."""
@@ -22,8 +24,10 @@ def schedule_explorer(num_stages: int = 4, num_micro_batches: int = 8, schedule:
 
     return explorer(
         show,
-        num_stages=widgets.IntSlider(value=num_stages, min=2, max=8, description="stages p"),
+        num_stages=widgets.IntSlider(value=num_stages, min=2, max=8, description="stages p",
+                                     style=LABELS),
         num_micro_batches=widgets.IntSlider(value=num_micro_batches, min=1, max=16,
-                                            description="micro-batches m"),
-        schedule=widgets.Dropdown(options=SCHEDULES, value=schedule, description="schedule"),
+                                            description="micro-batches m", style=LABELS),
+        schedule=widgets.Dropdown(options=SCHEDULES, value=schedule, description="schedule",
+                                  style=LABELS),
     )

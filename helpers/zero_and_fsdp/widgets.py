@@ -7,6 +7,15 @@ from helpers.explorer import explorer
 from helpers.zero_and_fsdp import plots
 from helpers.zero_and_fsdp.memory import largest_model
 
+# Model sizes to choose from, in billions of parameters: a slider on a grid that holds the
+# starting size exactly (a log slider's grid did not hold 7.5, and its readout said 7.94 where
+# the picture was drawn for 7.5).
+SIZES = (0.1, 0.3, 1, 3, 7.5, 13, 30, 70, 175, 405, 1000)
+
+
+def _sizes_with(billions: float) -> list:
+    return [(f"{size:g}", size) for size in sorted({*SIZES, billions})]
+
 
 def memory_calculator(billions: float = 7.5, world_size: int = 64, precision: str = "mixed",
                       memory_gb: float = 80.0):
@@ -23,8 +32,8 @@ def memory_calculator(billions: float = 7.5, world_size: int = 64, precision: st
 
     return explorer(
         show,
-        billions=widgets.FloatLogSlider(value=billions, base=10, min=-1, max=3,
-                                        description="B params"),
+        billions=widgets.SelectionSlider(options=_sizes_with(billions), value=billions,
+                                         description="B params"),
         world_size=widgets.IntSlider(value=world_size, min=1, max=1024, description="ranks"),
         precision=widgets.Dropdown(options=["mixed", "float32"], value=precision,
                                    description="precision"),
