@@ -5,6 +5,7 @@ slurm-wlm and munge; elsewhere they are skipped, except under REQUIRE_CLUSTER=1 
 cluster that cannot start fails them."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -164,6 +165,44 @@ def test_every_variable_a_job_gets_beyond_the_kernels_is_explained(tmp_path):
     assert {"GLOO_SOCKET_IFNAME", "PATH", "PYTHONPATH", "SLURM_CONF", "RDZV_PORT"} <= set(added)
     assert added["GLOO_SOCKET_IFNAME"] == "lo"
     assert "BREAKS" in slurm.ADDED["GLOO_SOCKET_IFNAME"][1]
+
+
+def test_a_rendezvous_port_is_one_the_kernel_hands_out_to_no_other_program():
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        lowest = int(ports.read().split()[0])
+    for _ in range(20):
+        port = slurm.rendezvous_port()
+        assert 1024 <= port < lowest
+        with socket.socket() as listener:
+            listener.bind(("", port))  # free
+
+
+def test_a_job_followed_past_its_timeout_says_in_which_state_it_was_left():
+    class Stub:  # follow's only use of a cluster: squeue's line
+        def run(self, command, check=True):
+            return "PENDING|ReqNodeNotAvail, UnavailableNodes:n2|\n"
+
+    with pytest.raises(TimeoutError,
+                       match=r"^job 7 still PENDING \(ReqNodeNotAvail, UnavailableNodes:n2\) "
+                             r"after 0 s$"):
+        slurm.follow(Stub(), "7", timeout=0, every=0)
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_an_error_inside_a_cluster_carries_what_slurm_saw():
+    with pytest.raises(AssertionError) as raised, Cluster.start() as cluster:
+        job = slurm.submit(cluster, "#!/bin/bash\necho started\nsleep 600\n",
+                           cluster.path("sleeper"), nodes=1)
+        slurm.follow(cluster, job, until=lambda: os.path.exists(
+            cluster.path("sleeper", f"slurm-{job}.out")), timeout=30)
+        raise AssertionError("the test's own check")
+    report = "\n".join(raised.value.__notes__)
+    assert f"  job {job} RUNNING on n1" in report.splitlines()
+    assert "  node n1 mixed" in report.splitlines()  # one of its CPUs taken
+    assert "  node n2 idle" in report.splitlines()
+    assert "slurmctld.log, last lines:" in report
+    assert f"sleeper/slurm-{job}.out, last lines:" in report
 
 
 @pytest.mark.cluster

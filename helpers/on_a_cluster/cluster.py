@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import glob
 import os
 import shutil
 import signal
@@ -177,6 +178,30 @@ class Cluster:
                     return "".join(log.readlines()[-lines:])
         return "(nothing written)"
 
+    # ---- when something went wrong ---------------------------------------------------------
+    def slurms_view(self) -> list:
+        """What Slurm says now of its jobs and nodes, a line each: a job's state and why it waits,
+        a node's state and why it is drained or down (squeue, sinfo)."""
+        jobs = self.run(["squeue", "-h", "-o", "job %i %T (%r) on %N"], check=False, timeout=10)
+        nodes = self.run(["sinfo", "-h", "-N", "-o", "node %N %T %E"], check=False, timeout=10)
+        return [line.replace(" (None)", "").rstrip().replace(" none", "").removesuffix(" on")
+                for line in (jobs + nodes).splitlines() if line.strip()]
+
+    def report(self, lines: int = 8) -> str:
+        """For a failure's message: Slurm's view (slurms_view), then the last lines of the
+        controller's and the nodes' logs, and of the newest jobs' output files in this cluster's
+        folder."""
+        parts = ["Slurm now:", *("  " + line for line in self.slurms_view())]
+        outputs = sorted(glob.glob(self.path("*", "*.out")), key=os.path.getmtime)[-4:]
+        for path in [self.path("slurmctld.log"), *map(self.path, (f"slurmd.{node}.log"
+                                                                   for node in NODES)), *outputs]:
+            if os.path.exists(path):
+                with open(path, errors="replace") as file:
+                    tail = file.read().splitlines()[-lines:]
+                parts += [f"{os.path.relpath(path, self.directory)}, last lines:",
+                          *("  " + line for line in tail)]
+        return "\n".join(parts)
+
     # ---- stopping --------------------------------------------------------------------------
     def stop(self) -> list:
         """Cancel every job, end every daemon this cluster started (by process id), and remove
@@ -238,7 +263,10 @@ class Cluster:
     def __enter__(self) -> Cluster:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, traceback) -> None:
+        if isinstance(error, Exception) and self.processes:  # say what Slurm saw, then stop
+            with contextlib.suppress(Exception):
+                error.add_note(self.report())
         self.stop()
 
 

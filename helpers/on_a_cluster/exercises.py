@@ -56,9 +56,10 @@ def _submitted(function, nodes: int, ranks_per_node: int, requeued: bool) -> dic
                 slurm.follow(cluster, job, timeout=JOB_TIMEOUT)
                 states = [row["State"] for row in slurm.finished(cluster) if row["JobID"] == job]
                 outcome["the job"] = states[-1] if states else "?"
-            except TimeoutError:  # a rendezvous that never completes: cancelled by stop()
-                outcome["the job"] = f"still running after {JOB_TIMEOUT} s"
+            except TimeoutError as error:  # say in which state; stop() cancels it
+                outcome["the job"] = "still " + str(error).partition(" still ")[2]
         _SAID["lines"] = _tail(directory)
+        _SAID["slurm"] = cluster.slurms_view() if "still" in outcome["the job"] else []
         started = slurm.ranks(directory)
         first = [event for event in started if event["restart"] == 0]
         outcome["ranks"] = len(first)
@@ -117,6 +118,8 @@ def _expected(nodes: int, ranks_per_node: int, requeued: bool) -> dict:
 def _hint(got, expected, nodes, ranks_per_node, requeued) -> str | None:
     if isinstance(got, dict) and got.get("the job") != "COMPLETED":
         said = _SAID.get("lines") or ["(nothing)"]
+        if _SAID.get("slurm"):
+            said = [*said, "and what Slurm said of it then:", *_SAID["slurm"]]
         return ("what the job printed last:\n  " + "\n  ".join(said) + "\nA common cause: "
                 "each task must find its own rank, and in the batch script $SLURM_PROCID is the "
                 "first node's, the same for all (srun bash -c '...' reads it in each task)")

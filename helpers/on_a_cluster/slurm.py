@@ -17,7 +17,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
 import re
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -33,12 +35,12 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capstone.sbat
 def job_environment(cluster: Cluster, **extra) -> dict:
     """What a job submitted from here sees (sbatch hands on the submitter's environment):
     torchrun's settings for this machine (lesson 12), this Python's torchrun first on PATH, and
-    RDZV_PORT, a free port for the rendezvous (two clusters share this machine; on a real one,
-    any port free on the first node, c10d's default 29400)."""
+    RDZV_PORT, a port for the rendezvous (`rendezvous_port`: two clusters share this machine; on
+    a real one, any port free on the first node, c10d's default 29400)."""
     environment = torchrun_environment()
     environment["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
                                            environment.get("PATH", "")])
-    environment["RDZV_PORT"] = str(free_port())
+    environment["RDZV_PORT"] = str(rendezvous_port())
     return cluster.environment(**environment, **{key: str(value) for key, value in extra.items()})
 
 
@@ -53,7 +55,9 @@ ADDED = {
              "or one image)"),
     "PYTHONPATH": ("the repository, so that `helpers` is found",
                    "the same: the repository at the same path on every node"),
-    "RDZV_PORT": ("a port free here for the rendezvous (two clusters share this machine)",
+    "RDZV_PORT": ("a port free here for the rendezvous (two clusters share this machine), below "
+                  "those the kernel hands out itself, so that no other program takes it "
+                  "between two runs of a requeued job",
                   "not needed: any port free on the first node, c10d's default 29400"),
     "GLOO_SOCKET_IFNAME": ("gloo's connections on the loopback interface, lo",
                            "BREAKS the job: lo reaches no other machine. Name the interface that "
@@ -69,6 +73,27 @@ ADDED = {
                     "can fail a rendezvous whose node names a slow DNS answers late: remove it"),
     "LOGLEVEL": ("torchrun's agent says what it does", "harmless"),
 }
+
+
+def rendezvous_port() -> int:
+    """A port free now, below the range the kernel hands out by itself (ip_local_port_range): a
+    job binds its rendezvous port anew at every restart, and a port from that range (free_port's)
+    can in between become any program's, a connection's own end or a listener bound to port 0, and
+    the next run's rendezvous fail."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            lowest = int(ports.read().split()[0])
+    except OSError:  # not Linux
+        return free_port()
+    for _ in range(100):
+        port = random.randrange(max(1024, lowest - 10000), lowest)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 def added_environment(cluster: Cluster) -> dict:
@@ -129,7 +154,8 @@ def follow(cluster: Cluster, job: str, until=None, timeout: float = 120,
         if state == "done" or (until is not None and until()):
             return moments
         if timestamp() - started > timeout:
-            raise TimeoutError(f"job {job} still {state} after {timeout:g} s")
+            raise TimeoutError(f"job {job} still {states(moments[-1:]) or state} after "
+                               f"{timeout:g} s")
         time.sleep(every)
 
 
