@@ -605,6 +605,15 @@ def test_simultaneous_root_causes_name_the_lowest_rank():
                                     5.0 - rank * 1e-3)
               for rank in range(3)}
     assert WorkerError.from_reports(errors, {}, [], ["", "", ""], 3).rank == 0
+    # a loaded machine: rank 2 raised 0.4 s before rank 0, the same bug all the same
+    errors = {rank: ExceptionReport("RuntimeError", f"mismatch seen by {rank}", [],
+                                    5.0 - rank * 0.2)
+              for rank in range(3)}
+    assert WorkerError.from_reports(errors, {}, [], ["", "", ""], 3).rank == 0
+    # another type of error soon after is another bug: the earliest is named
+    errors = {0: ExceptionReport("ValueError", "a check of rank 0's", [], 5.1),
+              2: ExceptionReport("KeyError", "'x'", [], 5.0)}
+    assert WorkerError.from_reports(errors, {}, [], ["", "", ""], 3).rank == 2
 
 
 def test_a_worker_without_source_file_is_still_located_on_timeout():
