@@ -134,28 +134,35 @@ test-gpu: setup
 # Every tier, in CI's order (.ci/run runs `make ci OTHER_PYTHON=...`), stopping at the first that
 # fails: README's make test first. The tiers run one after another: run beside each other, their
 # ranks outnumber the cores many times over and every tier slows (measured: other-cpu 3:28 alone,
-# 8:22 beside lesson 15's and the capstone's tiers, no faster in all). The other Python's
-# environment installs beside the other-CPU tier (no wall-clock bound there; an install is mostly
-# downloading and unpacking).
+# 8:22 beside lesson 15's and the capstone's tiers, no faster in all). Two pairs are the exception
+# (BESIDE, tier:beside it), where a tier leaves a core mostly idle: the other Python's environment
+# installs beside the other-CPU tier (an install is mostly downloading and unpacking), and its
+# tests run beside the capstone's one notebook (long, 85 % of the cores; the launcher's tests wait
+# on their ranks and timeouts more than they compute). A pair's output is printed target by target.
 CI_TIERS := test soak other-cpu cluster-tests long slides test-python
-BESIDE_other-cpu := $(if $(OTHER_PYTHON),other-python)
+BESIDE := $(if $(OTHER_PYTHON),other-cpu:other-python long:test-python)
 # Each tier's wall-clock time is printed as it ends, and all of them at the end: the budgets'
 # measure (README), never asserted in a test.
 ci:
 	@times=""; \
 	for tier in $(CI_TIERS); do \
+		case " $(BESIDE) " in *":$$tier "*) continue;; esac; \
+		beside=$$(for pair in $(BESIDE); do \
+			[ "$${pair%%:*}" = "$$tier" ] && echo "$${pair#*:}"; done); \
 		start=$$(date +%s); \
-		$(MAKE) $$( [ "$$tier" = other-cpu ] && [ -n "$(BESIDE_other-cpu)" ] && \
-			echo "-j2 other-cpu $(BESIDE_other-cpu)" || echo $$tier) || exit 1; \
+		$(MAKE) $${beside:+-j2 --output-sync=target} $$tier $$beside || exit 1; \
 		took=$$(( $$(date +%s) - start )); \
-		times="$$times $$tier $$((took / 60)):$$(printf %02d $$((took % 60)))"; \
+		tier="$$tier$${beside:+ and $$beside}"; \
+		times="$$times; $$tier $$((took / 60)):$$(printf %02d $$((took % 60)))"; \
 		echo "make ci: $$tier took $$((took / 60)):$$(printf %02d $$((took % 60)))"; \
 	done; \
-	echo "make ci: every tier passed;$$times"
+	echo "make ci: every tier passed$$times"
 
 # Another Python (CI runs the newest that pyproject.toml allows): its own environment, the
-# launcher's tests (its soaks included, but the one that waits out run()'s default timeout of a
-# minute: its 3-second twin runs the same code) and one notebook. `make test-python
+# launcher's tests and one notebook. Of the soaks, those that depend on the Python (a script
+# without a main guard, a kernel killed, torchrun's rendezvous), not those that repeat the same
+# launch or race two launches (the soak tier runs them), nor the one that waits out run()'s
+# default timeout of a minute (its 3-second twin runs the same code). `make test-python
 # OTHER_PYTHON=python3.13`; without OTHER_PYTHON, a warning and nothing else.
 OTHER_VENV := .venv-$(notdir $(OTHER_PYTHON))
 ifeq ($(OTHER_PYTHON),)
@@ -163,7 +170,8 @@ test-python:
 	@echo "warning: no other Python (OTHER_PYTHON=python3.13); only $$($(PY) -V) was tested" >&2
 else
 test-python: other-python
-	$(OTHER_VENV)/bin/python -m pytest -n 2 -k "not with_the_default_timeout" \
+	$(OTHER_VENV)/bin/python -m pytest -n 2 -k "not with_the_default_timeout and not at_once \
+		and not after_50_launches and not take_turns" \
 		tests/test_launcher.py tests/test_spawn.py
 	$(OTHER_VENV)/bin/python -m pytest $(NBVAL) notebooks/01_processes_and_groups.ipynb
 endif

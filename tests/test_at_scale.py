@@ -137,8 +137,10 @@ def test_with_tensor_parallelism_fake_ranks_account_for_a_step_exactly_as_real_r
 LOSS_AT_THE_PEAK = Shape(layers=1, dim=64, heads=4, kv_heads=4, ffn=192, vocab=2048)
 
 
+# tp 4 is the notebook's trust cell's last layout, held in make test by nbval: the soak tier runs
+# it here again, every rank compared.
 @pytest.mark.numerical
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.soak)])
 def test_with_tensor_parallelism_fake_ranks_count_the_loss_at_the_peak_as_real_ranks(tp):
     """loss_parallel's cross-entropy at the peak of the step: without shapes_apart, a fake rank
     counted (2 tp - 3) copies of its float32 logits more than a real one."""

@@ -221,6 +221,19 @@ def test_ci_runs_every_tier_readmes_test_first_and_ci_run_only_make_ci():
             if re.search(r"\bmake ", line)] == ["ci"]
 
 
+@pytest.mark.skipif(not (ROOT / ".ci/run").exists(),
+                    reason="a student release (make release) has no CI of the course's")
+@pytest.mark.parametrize("other_python, steps", [
+    ("", ["test", "soak", "other-cpu", "cluster-tests", "long", "slides", "test-python"]),
+    ("python3.13", ["test", "soak", "other-cpu and other-python", "cluster-tests",
+                    "long and test-python", "slides"])])
+def test_make_ci_runs_each_tier_once_in_order_and_the_pairs_side_by_side(other_python, steps):
+    """make -n: every command printed, none run (those of the tiers' own makes too)."""
+    done = subprocess.run(["make", "-n", "ci", f"OTHER_PYTHON={other_python}"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    assert re.findall(r"^make ci: (.+) took ", done.stdout, re.M) == steps
+
+
 def test_each_lessons_share_of_a_tier_sums_its_notebook_and_its_test_files():
     seconds = {"notebooks/13_at_scale.ipynb": 60.0, "tests/test_at_scale.py": 20.0,
                "tests/test_at_scale_step_time.py": 10.0, "tests/test_launcher.py": 30.0,
