@@ -59,7 +59,7 @@ def _submitted(function, nodes: int, ranks_per_node: int, requeued: bool) -> dic
             except TimeoutError as error:  # say in which state; stop() cancels it
                 outcome["the job"] = "still " + str(error).partition(" still ")[2]
         _SAID["lines"] = _tail(directory)
-        _SAID["slurm"] = cluster.slurms_view() if "still" in outcome["the job"] else []
+        _SAID["slurm"] = cluster.slurms_view() if outcome["the job"].startswith("still ") else []
         started = slurm.ranks(directory)
         first = [event for event in started if event["restart"] == 0]
         outcome["ranks"] = len(first)
