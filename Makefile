@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab present release grade book handouts train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present release grade book book-env handouts train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
 
 setup: $(INSTALLED)
 
@@ -134,13 +134,14 @@ test-gpu: setup
 # Every tier, in CI's order (.ci/run runs `make ci OTHER_PYTHON=...`), stopping at the first that
 # fails: README's make test first. The tiers run one after another: run beside each other, their
 # ranks outnumber the cores many times over and every tier slows (measured: other-cpu 3:28 alone,
-# 8:22 beside lesson 15's and the capstone's tiers, no faster in all). Two pairs are the exception
-# (BESIDE, tier:beside it), where a tier leaves a core mostly idle: the other Python's environment
-# installs beside the other-CPU tier (an install is mostly downloading and unpacking), and its
-# tests run beside the capstone's one notebook (long, 85 % of the cores; the launcher's tests wait
-# on their ranks and timeouts more than they compute). A pair's output is printed target by target.
+# 8:22 beside lesson 15's and the capstone's tiers, no faster in all). The exceptions (BESIDE,
+# tier:beside it) are light: the environments of the other Python and of the book (make book, in
+# the slides tier) install beside the other-CPU tier (an install is mostly unpacking, on one
+# core), and the other Python's tests run beside the capstone's one notebook (long, 85 % of the
+# cores; the launcher's tests wait on their ranks and timeouts more than they compute). Each
+# target's output is printed as it ends.
 CI_TIERS := test soak other-cpu cluster-tests long slides test-python
-BESIDE := $(if $(OTHER_PYTHON),other-cpu:other-python long:test-python)
+BESIDE := other-cpu:book-env $(if $(OTHER_PYTHON),other-cpu:other-python long:test-python)
 # Each tier's wall-clock time is printed as it ends, and all of them at the end: the budgets'
 # measure (README), never asserted in a test.
 ci:
@@ -150,9 +151,9 @@ ci:
 		beside=$$(for pair in $(BESIDE); do \
 			[ "$${pair%%:*}" = "$$tier" ] && echo "$${pair#*:}"; done); \
 		start=$$(date +%s); \
-		$(MAKE) $${beside:+-j2 --output-sync=target} $$tier $$beside || exit 1; \
+		$(MAKE) $${beside:+-j --output-sync=target} $$tier $$beside || exit 1; \
 		took=$$(( $$(date +%s) - start )); \
-		tier="$$tier$${beside:+ and $$beside}"; \
+		tier="$$tier$${beside:+ and }$$(echo $$beside | sed 's/ / and /g')"; \
 		times="$$times; $$tier $$((took / 60)):$$(printf %02d $$((took % 60)))"; \
 		echo "make ci: $$tier took $$((took / 60)):$$(printf %02d $$((took % 60)))"; \
 	done; \
@@ -207,7 +208,9 @@ $(BOOK_VENV)/.installed: requirements-book.txt
 	$(BOOK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-book.txt
 	touch $@
 
-book: $(BOOK_VENV)/.installed
+book-env: $(BOOK_VENV)/.installed
+
+book: book-env
 	$(BOOK_VENV)/bin/python book/website.py $(BOOK)
 
 # Each lesson's slides as a PDF, one sub-slide a page, printed by Chromium from reveal.js's print

@@ -224,8 +224,9 @@ def test_ci_runs_every_tier_readmes_test_first_and_ci_run_only_make_ci():
 @pytest.mark.skipif(not (ROOT / ".ci/run").exists(),
                     reason="a student release (make release) has no CI of the course's")
 @pytest.mark.parametrize("other_python, steps", [
-    ("", ["test", "soak", "other-cpu", "cluster-tests", "long", "slides", "test-python"]),
-    ("python3.13", ["test", "soak", "other-cpu and other-python", "cluster-tests",
+    ("", ["test", "soak", "other-cpu and book-env", "cluster-tests", "long", "slides",
+          "test-python"]),
+    ("python3.13", ["test", "soak", "other-cpu and book-env and other-python", "cluster-tests",
                     "long and test-python", "slides"])])
 def test_make_ci_runs_each_tier_once_in_order_and_the_pairs_side_by_side(other_python, steps):
     """make -n: every command printed, none run (those of the tiers' own makes too)."""
