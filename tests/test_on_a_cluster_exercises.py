@@ -7,7 +7,7 @@ import os
 import pytest
 
 from helpers.exercises import check, solution
-from helpers.on_a_cluster import exercises
+from helpers.on_a_cluster import exercises, slurm
 from helpers.on_a_cluster.cluster import unavailable
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
@@ -20,6 +20,16 @@ def test_the_batch_script_solution_passes():
     assert result.passed, repr(result)
 
 
+def test_the_batch_script_checker_rejects_torchrun_where_srun_must_start_the_ranks():
+    with open(slurm.SCRIPT) as file:
+        lesson_script = file.read()
+    result = check("batch_script", lambda nodes, ranks_per_node: lesson_script)
+    assert not result.passed
+    # for 2 nodes x 1 rank the script's two ranks a node give 4 ranks for a mesh of 2
+    assert "For the case nodes=2, ranks_per_node=1" in repr(result)
+    assert "ValueError: a mesh of dp 2 x tp 1 needs 2 ranks, not 4" in repr(result)
+
+
 def test_the_batch_script_checker_rejects_ranks_dealt_round_robin_over_the_nodes():
     def cyclic(nodes, ranks_per_node):
         return solution("batch_script")(nodes, ranks_per_node).replace(
@@ -28,6 +38,16 @@ def test_the_batch_script_checker_rejects_ranks_dealt_round_robin_over_the_nodes
     result = check("batch_script", cyclic)
     assert not result.passed
     assert "\"each rank's node\": 1: expected 0, got 1" in repr(result)  # rank 1 on node 1
+
+
+def test_the_batch_script_checker_rejects_a_job_that_cannot_be_requeued():
+    def never_again(nodes, ranks_per_node):
+        return solution("batch_script")(nodes, ranks_per_node).replace(
+            "#SBATCH --requeue", "#SBATCH --no-requeue")
+
+    result = check("batch_script", never_again)
+    assert not result.passed
+    assert "'the job': expected 'COMPLETED', got 'refused a requeue" in repr(result)
 
 
 def test_the_recorded_node_lists_are_slurms_own():
