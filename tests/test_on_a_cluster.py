@@ -4,6 +4,7 @@ capstone submitted to it, requeued mid-run and equal to plain torchrun bit for b
 slurm-wlm and munge; elsewhere they are skipped, except under REQUIRE_CLUSTER=1 (CI), where a
 cluster that cannot start fails them."""
 
+import io
 import os
 import socket
 import subprocess
@@ -169,7 +170,7 @@ def test_every_variable_a_job_gets_beyond_the_kernels_is_explained(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/proc/sys/net/ipv4/ip_local_port_range"),
                     reason="Linux's range of ports the kernel hands out (elsewhere: free_port)")
-def test_a_rendezvous_port_is_one_the_kernel_hands_out_to_no_other_program():
+def test_a_rendezvous_port_lies_below_the_ports_the_kernel_hands_out_by_itself(monkeypatch):
     with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
         lowest = int(ports.read().split()[0])
     for _ in range(20):
@@ -177,6 +178,10 @@ def test_a_rendezvous_port_is_one_the_kernel_hands_out_to_no_other_program():
         assert 1024 <= port < lowest
         with socket.socket() as listener:
             listener.bind(("", port))  # free
+    # a range that starts at the unprivileged ports leaves none below it: the kernel's choice
+    monkeypatch.setattr(slurm, "open", lambda path: io.StringIO("1024\t65535\n"), raising=False)
+    monkeypatch.setattr(slurm, "free_port", lambda: 54321)
+    assert slurm.rendezvous_port() == 54321
 
 
 def test_a_job_followed_past_its_timeout_says_in_which_state_it_was_left():

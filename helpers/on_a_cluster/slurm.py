@@ -56,8 +56,8 @@ ADDED = {
     "PYTHONPATH": ("the repository, so that `helpers` is found",
                    "the same: the repository at the same path on every node"),
     "RDZV_PORT": ("a port free here for the rendezvous (two clusters share this machine), below "
-                  "those the kernel hands out itself, so that no other program takes it "
-                  "between two runs of a requeued job",
+                  "those the kernel hands out by itself (ip_local_port_range), so that the kernel "
+                  "gives it to no other program between two runs of a requeued job",
                   "not needed: any port free on the first node, c10d's default 29400"),
     "GLOO_SOCKET_IFNAME": ("gloo's connections on the loopback interface, lo",
                            "BREAKS the job: lo reaches no other machine. Name the interface that "
@@ -78,12 +78,15 @@ ADDED = {
 def rendezvous_port() -> int:
     """A port free now, below the range the kernel hands out by itself (ip_local_port_range): a
     job binds its rendezvous port anew at every restart, and a port from that range (free_port's)
-    can in between become any program's, a connection's own end or a listener bound to port 0, and
-    the next run's rendezvous fail."""
+    can in between become a connection's own end or a listener bound to port 0, and the next
+    run's rendezvous fail. free_port where that range cannot be read (not Linux), where nothing
+    lies below it but privileged ports, or where no port below it binds."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
             lowest = int(ports.read().split()[0])
-    except OSError:  # not Linux
+    except OSError:
+        return free_port()
+    if lowest <= 1025:
         return free_port()
     for _ in range(100):
         port = random.randrange(max(1024, lowest - 10000), lowest)
