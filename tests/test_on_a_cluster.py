@@ -191,8 +191,9 @@ def test_a_job_followed_past_its_timeout_says_in_which_state_it_was_left():
 
     with pytest.raises(TimeoutError,
                        match=r"^job 7 still PENDING \(ReqNodeNotAvail, UnavailableNodes:n2\) "
-                             r"after 0 s$"):
+                             r"after 0 s$") as raised:
         slurm.follow(Stub(), "7", timeout=0, every=0)
+    assert raised.value.state == "PENDING (ReqNodeNotAvail, UnavailableNodes:n2)"
 
 
 @pytest.mark.cluster

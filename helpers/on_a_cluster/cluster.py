@@ -182,10 +182,17 @@ class Cluster:
     def slurms_view(self) -> list:
         """What Slurm says now of its jobs and nodes, a line each: a job's state and why it waits,
         a node's state and why it is drained or down (squeue, sinfo)."""
-        jobs = self.run(["squeue", "-h", "-o", "job %i %T (%r) on %N"], check=False, timeout=10)
-        nodes = self.run(["sinfo", "-h", "-N", "-o", "node %N %T %E"], check=False, timeout=10)
-        return [line.replace(" (None)", "").rstrip().replace(" none", "").removesuffix(" on")
-                for line in (jobs + nodes).splitlines() if line.strip()]
+        jobs = self.run(["squeue", "-h", "-o", "%i|%T|%r|%N"], check=False, timeout=10)
+        nodes = self.run(["sinfo", "-h", "-N", "-o", "%N|%T|%E"], check=False, timeout=10)
+        lines = []
+        for job, state, reason, where in (line.split("|") for line in jobs.splitlines()
+                                          if line.count("|") == 3):
+            lines.append(f"job {job} {state}" + (f" ({reason})" if reason != "None" else "")
+                         + (f" on {where}" if where else ""))
+        for node, state, reason in (line.split("|") for line in nodes.splitlines()
+                                    if line.count("|") == 2):
+            lines.append(f"node {node} {state}" + (f" ({reason})" if reason != "none" else ""))
+        return lines
 
     def report(self, lines: int = 8) -> str:
         """For a failure's message: Slurm's view (slurms_view), then the last lines of the

@@ -42,7 +42,7 @@ def _submitted(function, nodes: int, ranks_per_node: int, requeued: bool) -> dic
         job = slurm.submit(cluster, script, directory, *arguments_for(config))
         outcome = {}
         if requeued:
-            with contextlib.suppress(TimeoutError):  # said below: still running
+            with contextlib.suppress(slurm.StillQueued):  # said below, in which state
                 slurm.follow(cluster, job, timeout=JOB_TIMEOUT,
                              until=lambda: slurm.last_step(directory) >= REQUEUE_AFTER)
             if slurm.last_step(directory) >= REQUEUE_AFTER:
@@ -56,8 +56,8 @@ def _submitted(function, nodes: int, ranks_per_node: int, requeued: bool) -> dic
                 slurm.follow(cluster, job, timeout=JOB_TIMEOUT)
                 states = [row["State"] for row in slurm.finished(cluster) if row["JobID"] == job]
                 outcome["the job"] = states[-1] if states else "?"
-            except TimeoutError as error:  # say in which state; stop() cancels it
-                outcome["the job"] = "still " + str(error).partition(" still ")[2]
+            except slurm.StillQueued as error:  # say in which state; stop() cancels it
+                outcome["the job"] = f"still {error.state} after {error.timeout:g} s"
         _SAID["lines"] = _tail(directory)
         _SAID["slurm"] = cluster.slurms_view() if outcome["the job"].startswith("still ") else []
         started = slurm.ranks(directory)

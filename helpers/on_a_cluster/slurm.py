@@ -135,6 +135,15 @@ def submit(cluster: Cluster, script: str, directory: str, *arguments, environmen
     return output.strip().split(";")[0]
 
 
+class StillQueued(TimeoutError):
+    """`follow` gave up: the job is still in the queue. `state`: in which state, in words
+    ("PENDING (BeginTime)", as `states` writes it)."""
+
+    def __init__(self, job: str, state: str, timeout: float):
+        super().__init__(f"job {job} still {state} after {timeout:g} s")
+        self.state, self.timeout = state, timeout
+
+
 @dataclass
 class Moment:
     time: float  # helpers.timing.timestamp()
@@ -157,8 +166,7 @@ def follow(cluster: Cluster, job: str, until=None, timeout: float = 120,
         if state == "done" or (until is not None and until()):
             return moments
         if timestamp() - started > timeout:
-            raise TimeoutError(f"job {job} still {states(moments[-1:]) or state} after "
-                               f"{timeout:g} s")
+            raise StillQueued(job, states(moments[-1:]) or state, timeout)
         time.sleep(every)
 
 
