@@ -11,11 +11,14 @@ side in one run.
 2. At 4 ranks, later launches of workers that lessons 06-10 run: one that imports torch's
    parallelism modules (DDP, FSDP, tensor parallel, pipelining, distributed optimizers), measured
    here and in a pool that preloads torch alone (a second process, --preload torch); and one that
-   starts its own group the way lecture code does (helpers.spawn: a TCP store, env://).
+   starts its own group the way lecture code does (helpers.spawn: a TCP store, env://). And one
+   that imports what a lesson's worker module brings (pool.SHARED_LAYER: the launcher, the
+   recorders, DCP, ...), here and in a pool that does not preload it (--preload parallelism).
 3. `--many` launches of helpers.run at 4 ranks: median, slowest, how many took over 0.5 s.
 """
 
 import argparse
+import importlib
 import json
 import os
 import socket
@@ -46,6 +49,12 @@ def import_parallelism_modules(rank, world_size):
     import torch.distributed.tensor.parallel  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
+    return rank
+
+
+def import_the_shared_layer(rank, world_size):
+    for name in pool.SHARED_LAYER:
+        importlib.import_module(name)
     return rank
 
 
@@ -101,11 +110,12 @@ def summary(times):
             "over_1s": sum(t > 1 for t in times)}
 
 
-def torch_only_pool(repeats):
-    """Later launches of the parallelism-importing worker from a pool that preloads torch alone,
-    measured in a separate process (a process has one pool)."""
+def in_a_smaller_pool(preload, repeats):
+    """Later launches from a pool that preloads less, measured in a separate process (a process
+    has one pool): `preload` "torch" (torch alone) times the parallelism-importing worker,
+    "parallelism" (all but the shared layer) the shared-layer-importing one."""
     completed = subprocess.run(
-        [sys.executable, __file__, "--preload", "torch", "--repeats", str(repeats)],
+        [sys.executable, __file__, "--preload", preload, "--repeats", str(repeats)],
         capture_output=True, text=True, check=True)
     return json.loads(completed.stdout)
 
@@ -116,14 +126,19 @@ def main():
     parser.add_argument("--spawn-repeats", type=int, default=3, help="later mp.spawn launches")
     parser.add_argument("--repeats", type=int, default=20, help="later launches of the others")
     parser.add_argument("--many", type=int, default=200)
-    parser.add_argument("--preload", choices=["torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--preload", choices=["torch", "parallelism"], help=argparse.SUPPRESS)
     options = parser.parse_args()
-    if options.preload:
+    if options.preload == "torch":
         pool.FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle",
                                    "helpers.launcher.rank"]
+        worker = import_parallelism_modules
+    elif options.preload == "parallelism":
+        pool.FORKSERVER_PRELOAD = [name for name in pool.FORKSERVER_PRELOAD
+                                   if name not in pool.SHARED_LAYER]
+        worker = import_the_shared_layer
+    if options.preload:
         time_run(4)
-        print(json.dumps(summary([time_run(4, import_parallelism_modules)
-                                  for _ in range(options.repeats)])))
+        print(json.dumps(summary([time_run(4, worker) for _ in range(options.repeats)])))
         return
 
     # The floor's ranks find gloo on loopback, as run's do: the pool, started by the first run
@@ -153,7 +168,10 @@ def main():
         "run, joins and returns": summary(time_run(4) for _ in range(options.repeats)),
         "run, imports the parallelism modules": summary(
             time_run(4, import_parallelism_modules) for _ in range(options.repeats)),
-        "the same, pool preloads torch alone": torch_only_pool(options.repeats),
+        "the same, pool preloads torch alone": in_a_smaller_pool("torch", options.repeats),
+        "run, imports the shared layer": summary(
+            time_run(4, import_the_shared_layer) for _ in range(options.repeats)),
+        "the same, pool does not preload it": in_a_smaller_pool("parallelism", options.repeats),
         "helpers.spawn, worker starts its own group": summary(
             time_helpers_spawn(4) for _ in range(options.repeats)),
     }

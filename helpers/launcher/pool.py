@@ -30,15 +30,31 @@ import time
 # forkserver, whose ranks inherit it. A value set outside is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# What a rank of a lesson imports when it unpickles its worker: the course's shared layer (the
+# launcher, which a module's `from helpers import run` brings, with filelock and html; the
+# recorders, the reference, the layouts, the strategies, the checkers) and the torch modules that
+# lessons 11-14 use in ranks (DCP, with fsspec for its storage; CommDebugMode; the memory
+# tracker). Each is a few milliseconds, but a rank imported them on every launch: in make test on
+# 2026-11-30, 2,441 of 3,067 ranks imported helpers.instrument after the fork, and a rank 20
+# modules on average (benchmarks/README.md, "Launch time").
+SHARED_LAYER = [
+    "helpers.launcher.launch", "helpers.instrument", "helpers.reference", "helpers.timing",
+    "helpers.layouts", "helpers.strategies", "helpers.rules", "helpers.exercises",
+    "torch.utils.serialization", "torch.distributed.checkpoint", "fsspec",
+    "torch.distributed.tensor.debug", "torch.distributed._tools",
+]
+
 # Imported once by the forkserver, so that no rank pays for them: torch, the parallelism modules
 # of lessons 06-10 (together about 1.5 s more on one core; a rank importing them after the fork
-# paid it on every launch), and what a new rank needs to unpickle its pipe (popen_forkserver).
-# A rank that joins a group and returns imports nothing more (tests/test_launcher.py).
+# paid it on every launch), what a new rank needs to unpickle its pipe (popen_forkserver), and
+# the shared layer. A rank that joins a group and returns imports nothing more
+# (tests/test_launcher.py).
 FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "cloudpickle", "helpers.launcher.rank",
     "multiprocessing.popen_forkserver",
     "torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
     "torch.distributed.pipelining", "torch.distributed.optim",
+    *SHARED_LAYER,
 ]
 
 
