@@ -53,7 +53,9 @@ def answered(notebook, answers):
 # What each hostile answer does, and the exercise it stands in for. Each also names the path it
 # attacks through the placeholders FOLDER (the submissions) and COURSE.
 HOSTILE = {
-    "hangs": {"even_odd_sum": "while True:\n    pass"},
+    # blocked for good, as a rank waiting for a message that never comes (a loop that spins ends
+    # the same way, at the limit, and held a core of the soak tier for those 30 s)
+    "hangs": {"even_odd_sum": "import threading\nthreading.Event().wait()"},
     "forks_forever": {"even_odd_sum": f"""
 import os, subprocess, time
 subprocess.Popen(["sleep", "{MARK}"], start_new_session=True)
