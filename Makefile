@@ -9,12 +9,13 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
 setup: $(INSTALLED)
 
-# pip compiles every module to bytecode as it installs (47 s with, 25 s without, on 2026-11-30). Not
-# without: where PYTHONDONTWRITEBYTECODE is set, as on CI's machine, nothing would compile them
+# tools/install.py: uv, given pip's settings, or pip where uv cannot stand in (61 s with pip, 25 s
+# with uv, from a fresh clone on 2026-11-30). Either compiles every module to bytecode as it
+# installs: where PYTHONDONTWRITEBYTECODE is set, as on CI's machine, nothing would compile them
 # later, and every process would compile torch from source (tried: make test 7:27 became 10:08).
-$(INSTALLED): requirements.txt pyproject.toml
+$(INSTALLED): requirements.txt pyproject.toml tools/install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -e .
+	$(PY) tools/install.py -r requirements.txt -e .
 	touch $@
 
 # JupyterLab refuses to run as root (containers, cloud VMs) unless told it may.
@@ -203,9 +204,9 @@ notebooks: setup
 # build/book/html/index.html; BOOK=dir writes it elsewhere. How to publish it: docs/book.md.
 BOOK_VENV := .venv-book
 BOOK ?= build/book
-$(BOOK_VENV)/.installed: requirements-book.txt
+$(BOOK_VENV)/.installed: requirements-book.txt tools/install.py
 	test -x $(BOOK_VENV)/bin/python || $(PYTHON) -m venv $(BOOK_VENV)
-	$(BOOK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-book.txt
+	$(BOOK_VENV)/bin/python tools/install.py -r requirements-book.txt
 	touch $@
 
 book-env: $(BOOK_VENV)/.installed
