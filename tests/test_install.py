@@ -27,34 +27,43 @@ def test_a_variable_overrides_the_install_section_which_overrides_global(monkeyp
                         "global.find-links='/from/the/file'\n"
                         "global.index-url='https://global.example/simple'\n"
                         "install.index-url='https://install.example/simple'\n"
+                        ":env:.index-url=''\n"  # set empty: pip ignores it
                         "download.index-url='https://not.for.install/simple'\n")
     assert install.pip_settings() == {"find-links": "/from/the/variable",
                                       "index-url": "https://install.example/simple"}
 
 
-def test_each_setting_becomes_its_uv_flag_and_the_certificate_and_timeout_uvs_variables(
-        monkeypatch):
-    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
-    monkeypatch.delenv("UV_HTTP_TIMEOUT", raising=False)
+def test_a_setting_listed_by_two_files_is_not_guessed(monkeypatch):
+    """pip 25.2 and later list each file: which wins is pip's order of files, not the list's."""
+    listed(monkeypatch, "global.index-url='https://site.example/simple'\n"
+                        "global.index-url='https://user.example/simple'\n")
+    with pytest.raises(RuntimeError, match="pip's files set global.index-url more than once"):
+        install.pip_settings()
+
+
+def test_each_setting_becomes_its_uv_flag_and_uvs_own_settings_are_left_out(monkeypatch):
+    monkeypatch.setenv("UV_INDEX", "https://uv.only.example/simple")
+    monkeypatch.setenv("UV_CACHE_DIR", "/cache")
     flags, environment = install.uv_command({
         "index-url": "https://mirror.example/simple",
         "extra-index-url": "file:///opt/a/simple file:///opt/b/simple",
         "find-links": "/opt/wheels", "constraint": "/etc/constraints.txt",
-        "trusted-host": "mirror.example", "no-index": "true", "cert": "/etc/bundle.crt",
-        "default-timeout": "180", "disable-pip-version-check": "1"})
-    assert flags == ["--index-strategy", "unsafe-best-match", "--compile-bytecode",
+        "trusted-host": "mirror.example", "no-index": "t", "cert": "/etc/bundle.crt",
+        "default-timeout": "17.5", "disable-pip-version-check": "1"})
+    assert flags == ["--index-strategy", "unsafe-best-match", "--compile-bytecode", "--no-config",
                      "--index-url", "https://mirror.example/simple",
                      "--extra-index-url", "file:///opt/a/simple",
                      "--extra-index-url", "file:///opt/b/simple",
                      "--find-links", "/opt/wheels", "--constraint", "/etc/constraints.txt",
-                     "--allow-insecure-host", "mirror.example", "--no-index"]
-    assert environment["SSL_CERT_FILE"] == "/etc/bundle.crt"
-    assert environment["UV_HTTP_TIMEOUT"] == "180"
+                     "--allow-insecure-host", "mirror.example", "--no-index",
+                     "--cert", "/etc/bundle.crt"]
+    assert environment["UV_HTTP_TIMEOUT"] == "18"  # whole seconds, none less than pip's
+    assert "UV_INDEX" not in environment and environment["UV_CACHE_DIR"] == "/cache"
 
 
-def test_without_settings_uv_takes_its_defaults_with_pips_index_strategy():
+def test_without_settings_uv_takes_pips_index_strategy_and_the_systems_certificates():
     assert install.uv_command({})[0] == ["--index-strategy", "unsafe-best-match",
-                                         "--compile-bytecode"]
+                                         "--compile-bytecode", "--no-config", "--system-certs"]
 
 
 @pytest.mark.parametrize("config, reason", [
@@ -93,7 +102,7 @@ def test_a_failing_uv_leaves_the_install_to_pip(monkeypatch, capsys):
     assert install_uv == ("install", "--quiet", "--disable-pip-version-check", "uv==0.13.9")
     assert uv == [sys.executable, "-m", "uv", "pip", "install", "--quiet", "--python",
                   sys.executable, "--index-strategy", "unsafe-best-match", "--compile-bytecode",
-                  "--find-links", "/opt/wheels", "-e", "."]
+                  "--no-config", "--find-links", "/opt/wheels", "--system-certs", "-e", "."]
     assert pip == [sys.executable, "-m", "pip", "install", "--quiet",
                    "--disable-pip-version-check", "-e", "."]
     assert "uv exited with 2; pip installs instead" in capsys.readouterr().err

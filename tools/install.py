@@ -7,14 +7,16 @@ uv installs the same packages as pip, at the same versions, from the same indexe
 and compiles their bytecode on every core: `make setup` in a fresh clone took 61 s with pip and
 25 s with uv on a 2-core machine (2026-11-30, no cache for either). It does not read pip's
 configuration, so the settings pip would use (`pip config list`: its files and PIP_ variables)
-are passed to it as flags. A setting this script cannot pass on, a uv that cannot be installed,
-or a uv that fails, and pip installs instead, as it did before: the environment is the same,
-only slower. Standard library only: it runs before anything is installed.
+are passed to it as flags, and uv's own (uv.toml, UV_ variables) are left out. A setting this
+script cannot pass on, a uv that cannot be installed, or a uv that fails, and pip installs
+instead, as it did before: the same pins, only slower. Standard library only: it runs before
+anything is installed.
 """
 
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 import subprocess
@@ -26,10 +28,11 @@ QUIET = ["--quiet", "--disable-pip-version-check"]
 AS_FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
             "find-links": "--find-links", "constraint": "--constraint",
             "trusted-host": "--allow-insecure-host"}
-# Settings that change nothing uv does here: output, pip's own version check, and the
-# certificate bundle and timeout, which go to uv through its environment (below).
+# Settings that change nothing uv does here (output, pip's own version check), or that go to it
+# otherwise (below).
 NOTHING_TO_PASS = {"disable-pip-version-check", "quiet", "progress-bar", "no-color",
-                   "root-user-action", "cert", "timeout", "default-timeout"}
+                   "root-user-action", "cert", "timeout", "default-timeout", "no-index"}
+TRUE = {"1", "y", "yes", "t", "true", "on"}  # as pip reads a flag's value (strtobool)
 
 
 def pip(*arguments: str) -> subprocess.CompletedProcess:
@@ -50,30 +53,36 @@ def pip_settings() -> dict:
         if match is None:
             raise RuntimeError(f"pip config list printed {line!r}")
         section, name, value = match.groups()
-        if section in by_section:
-            by_section[section][name] = ast.literal_eval(value)
+        value = ast.literal_eval(value)
+        if section not in by_section or not value:  # pip ignores an empty value too
+            continue
+        if name in by_section[section]:  # newer pips list each file: which wins is pip's to say
+            raise RuntimeError(f"pip's files set {section}.{name} more than once")
+        by_section[section][name] = value
     return {**by_section["global"], **by_section["install"], **by_section[":env:"]}
 
 
 def uv_command(settings: dict) -> tuple[list, dict]:
     """The flags and environment that make uv do what pip would with `settings`."""
-    unknown = sorted(set(settings) - set(AS_FLAGS) - NOTHING_TO_PASS - {"no-index"})
+    unknown = sorted(set(settings) - set(AS_FLAGS) - NOTHING_TO_PASS)
     if unknown:
         raise RuntimeError(f"pip is set up with {', '.join(unknown)}, which this script does "
                            "not pass on to uv")
     # pip takes the best version from all its indexes; uv, by default, only the first index's.
-    flags = ["--index-strategy", "unsafe-best-match", "--compile-bytecode"]
+    # uv's own configuration (uv.toml, [tool.uv], UV_ variables) is not pip's: left out.
+    flags = ["--index-strategy", "unsafe-best-match", "--compile-bytecode", "--no-config"]
     for name, flag in AS_FLAGS.items():
         for value in settings.get(name, "").split():
             flags += [flag, value]
-    if settings.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+    if settings.get("no-index", "").lower() in TRUE:
         flags.append("--no-index")
-    environment = dict(os.environ)
-    if "cert" in settings:
-        environment.setdefault("SSL_CERT_FILE", settings["cert"])
-    for name in ("timeout", "default-timeout"):
-        if name in settings:
-            environment.setdefault("UV_HTTP_TIMEOUT", settings[name])
+    # pip's certificate bundle, or else the system's store, which pip (truststore) also trusts
+    flags += ["--cert", settings["cert"]] if "cert" in settings else ["--system-certs"]
+    environment = {name: value for name, value in os.environ.items()
+                   if not name.startswith("UV_") or name.startswith(("UV_CACHE", "UV_NO_CACHE"))}
+    timeout = settings.get("timeout", settings.get("default-timeout"))
+    if timeout is not None:  # pip's seconds may have a fraction; uv's are whole
+        environment["UV_HTTP_TIMEOUT"] = str(math.ceil(float(timeout)))
     return flags, environment
 
 
