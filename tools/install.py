@@ -3,14 +3,14 @@ stand in for pip, else with pip:
 
     .venv/bin/python tools/install.py -r requirements.txt -e .
 
-uv installs the same packages as pip, at the same versions, from the same indexes, in parallel,
-and compiles their bytecode on every core: `make setup` in a fresh clone took 61 s with pip and
-25 s with uv on a 2-core machine (2026-11-30, no cache for either). It does not read pip's
-configuration, so the settings pip would use (`pip config list`: its files and PIP_ variables)
-are passed to it as flags, and uv's own (uv.toml, UV_ variables) are left out. A setting this
-script cannot pass on, a uv that cannot be installed, or a uv that fails, and pip installs
-instead, as it did before: the same pins, only slower. Standard library only: it runs before
-anything is installed.
+uv installs what the requirements pin, from the same indexes as pip (here the same versions as
+pip's, compared), in parallel, and compiles their bytecode on every core: `make setup` in a fresh
+clone took 61 s with pip and 25 s with uv on a 2-core machine (2026-11-30, no cache for either).
+It does not read pip's configuration, so the settings pip would use (`pip config list`: its files
+and PIP_ variables) are passed to it as flags, and uv's own (uv.toml, UV_ variables) are left
+out. A setting this script cannot pass on, a uv that cannot be installed, or a uv that fails, and
+pip installs instead, as it did before: the same pins, only slower. Standard library only: it
+runs before anything is installed.
 """
 
 from __future__ import annotations
