@@ -34,9 +34,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # launcher, which a module's `from helpers import run` brings, with filelock and html; the
 # recorders, the reference, the layouts, the strategies, the checkers) and the torch modules that
 # lessons 11-14 use in ranks (DCP, with fsspec for its storage; CommDebugMode; the memory
-# tracker). Each is a few milliseconds, but a rank imported them on every launch: in make test on
-# 2026-11-30, 2,441 of 3,067 ranks imported helpers.instrument after the fork, and a rank 20
-# modules on average (benchmarks/README.md, "Launch time").
+# tracker). A rank imported them on every launch, all of them making a 4-rank launch 0.19 s
+# longer: in make test on 2026-11-30, 2,441 of 3,067 ranks imported helpers.instrument after the
+# fork, and a rank 20 modules on average (benchmarks/README.md, "Launch time").
 SHARED_LAYER = [
     "helpers.launcher.launch", "helpers.instrument", "helpers.reference", "helpers.timing",
     "helpers.layouts", "helpers.strategies", "helpers.rules", "helpers.exercises",
