@@ -232,3 +232,17 @@ def test_a_kernel_killed_with_its_cluster_leaves_no_daemon_and_the_next_start_re
     assert os.path.exists(folder)
     with Cluster.start():
         assert not os.path.exists(folder)
+
+
+def test_what_a_job_said_is_its_errors_not_the_header_of_a_cpp_backtrace():
+    """Lesson 15's "it said": the ranks' errors first, else the agents'; c10's backtrace header,
+    printed only when a failing call got that far before the job was cancelled, is neither."""
+    from helpers.on_a_cluster.failures import errors_in
+
+    agent = ("[W1130 socket.cpp] a warning\n"
+             "Exception raised from ping at /__w/pytorch/torch/csrc/TCPStore.cpp:427 (most recent\n"
+             "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n")
+    assert errors_in([agent]) == ["RendezvousTimeoutError"]
+    assert errors_in([agent, "[rank1]: ValueError: a mesh needs 4 ranks, not 2\n"]) == [
+        "ValueError: a mesh needs 4 ranks, not 2"]
+    assert errors_in(["Exception raised from ping at /x/TCPStore.cpp:427 (most recent\n"]) == []

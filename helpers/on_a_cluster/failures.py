@@ -184,6 +184,10 @@ def _last_written(folder: str) -> float:
 
 
 ERROR = re.compile(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception)\b.*)$")
+# The header of c10's C++ backtrace ("Exception raised from ping at .../TCPStore.cpp:427"), which
+# follows the error it belongs to, and only when a failing call got that far before the job was
+# cancelled: no error of its own.
+BACKTRACE = re.compile(r"Exception raised from \S+ at ")
 
 
 def what_it_said(folder: str, job: str) -> list:
@@ -201,7 +205,7 @@ def errors_in(logs: list) -> list:
     for text in logs:
         for line in text.splitlines():
             match = ERROR.match(line.strip())
-            if match:
+            if match and not BACKTRACE.match(match.group(1)):
                 (raised if line.startswith("[rank") else agents).append(_short(match.group(1)))
     return sorted(set(raised)) or sorted(set(agents))
 
