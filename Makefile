@@ -110,21 +110,25 @@ slides: setup
 # The lessons of TIER = "cluster" (lesson 15) against a real Slurm of two nodes that each test
 # starts (as root; Debian's slurm-wlm and munge, installed here where missing): its notebook under
 # nbval, the requeued job equal to plain torchrun, the exercises' checkers submitting for real.
-# Three files, a worker each (on two cores: their ranks wait on Slurm, and with two workers the
-# cores were idle 25 % of the tier; with three, 7 %). Where no cluster can start, its tests are
-# skipped (the notebook's first cell fails, saying why); REQUIRE_CLUSTER=1 (CI) makes that an error.
+# Three workers (on two cores: their ranks wait on Slurm, and with two workers the cores were idle
+# 25 % of the tier; with three, 7 %), which take the tests one by one and the notebook whole
+# (--tests-one-by-one; conftest.py): the notebook and the two longest tests start at once, the
+# others fill in behind (file by file, one file of tests of 4 minutes was the tier's tail, with
+# the cores idle 14 % of it). Where no cluster can start, its tests are skipped (the notebook's
+# first cell fails, saying why); REQUIRE_CLUSTER=1 (CI) makes that an error.
 cluster-tests: WORKERS = 3
 cluster-tests: setup
 	$(PY) -m helpers.on_a_cluster.cluster install
-	$(PYTEST) -m "cluster or notebook" $(NBVAL) --tier cluster notebooks tests
+	$(PYTEST) --tests-one-by-one -m "cluster or notebook" $(NBVAL) --tier cluster notebooks tests
 
 # Another CPU's rounding: PyTorch's kernels without vector instructions sum in other orders. The
 # tests marked numerical (not those marked once, nor the checkers': messages) and make test's
 # notebooks that rounding can change (not ROUNDING_FREE); the timing cells nbval ignores are not
-# run again (conftest.py).
+# run again (conftest.py). Of the soaks among them, a third of the cases, as in the soak tier.
 other-cpu: setup
 	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "notebook or (numerical and not once)" \
-		-k "not checker" $(NBVAL) --nbval-skip-timings --tier other-cpu notebooks tests
+		-k "not checker" $(NBVAL) --nbval-skip-timings --cases-share $(SHARE) \
+		--tier other-cpu notebooks tests
 
 # On a machine with CUDA (skipped elsewhere): every strategy on the GPU with NCCL, autocast and
 # GradScaler on CUDA, the bytes held read from CUDA's allocator, gloo on CUDA tensors

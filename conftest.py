@@ -18,7 +18,10 @@
   lesson's package declares them (helpers/lessons.py says how); the others are not collected. A
   tier hands its files to the workers slowest first (helpers.lessons.start_key): the slow lessons'
   notebooks, the longest committed run first, then the test files that say `STARTS_FIRST = True`,
-  then the rest in the order collected. Every worker collects and sorts alike, as xdist requires.
+  then the rest in the order collected; within each, the tests marked `starts_first` first. Every
+  worker collects and sorts alike, as xdist requires. --tests-one-by-one hands the tests out one
+  by one and each notebook whole, to one worker (`pytest_xdist_make_scheduler`; the cluster
+  tier's).
   At the end the tier prints each lesson's share of its time: the seconds its notebook's cells
   and its test files took, summed over the workers (`lesson_shares`), so that a budget shows
   where it goes.
@@ -32,8 +35,9 @@
   chosen from the commit (the cases whose index is the commit's number modulo N; a test with fewer
   cases runs one of them), so that every test runs in every run and every case within N commits.
   The soak tier uses it: its cases repeat one way of failing with another input, and it was the
-  longest tier. So does the slides tier, for the handouts (one lesson's PDF a case: the same
-  printing, each lesson's pages; all fifteen were one test of 191 s, the tier's longest).
+  longest tier; the other-CPU tier too, for the soaks it runs again. So does the slides tier, for
+  the handouts (one lesson's PDF a case: the same printing, each lesson's pages; all fifteen were
+  one test of 191 s, the tier's longest).
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (tagged
   `nbval-ignore-output`, with `"nbval_ignore_output_because": "timings"` in its metadata) is not
   run when no later cell of its notebook needs a name it assigns. The other-CPU tier uses it:
@@ -133,6 +137,9 @@ def pytest_addoption(parser):
     parser.addoption("--nbval-skip-timings", action="store_true",
                      help="do not run notebook cells whose ignored output is a timing and whose "
                           "names no later cell uses")
+    parser.addoption("--tests-one-by-one", action="store_true",
+                     help="with -n: hand the workers each test on its own, and each notebook "
+                          "whole")
 
 
 def pytest_itemcollected(item):
@@ -261,7 +268,10 @@ def _commit_number() -> int:
 
 def _slowest_first(items):
     """The items sorted by their file's place in the tier's order (helpers.lessons.start_key); the
-    sort is stable, so each file's items stay together and in their order."""
+    sort is stable, so each file's items stay together and in their order. Within a place, the
+    tests marked `starts_first` go first: under --tests-one-by-one (the cluster tier), where each
+    test is a unit of its own but a notebook's cells are one, the longest tests start at once
+    beside the notebooks; under --dist loadfile their file does."""
     from helpers import lessons
 
     keys = {}
@@ -269,7 +279,29 @@ def _slowest_first(items):
         if item.path not in keys:
             module = getattr(item, "module", None)  # a notebook's cells have none
             keys[item.path] = lessons.start_key(item.path, getattr(module, "STARTS_FIRST", False))
-    items.sort(key=lambda item: keys[item.path])
+    items.sort(key=lambda item: (keys[item.path], item.get_closest_marker("starts_first") is None))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With --tests-one-by-one (the cluster tier's): each notebook whole on one worker, in order,
+    in one kernel, and every other test handed out on its own (xdist's loadgroup would, but it
+    marks a group in the node id, which pytest 9 no longer lets a plugin change)."""
+    if not config.getoption("--tests-one-by-one"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebooksWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return notebook_or_test(nodeid)
+
+    return NotebooksWhole(config, log)
+
+
+def notebook_or_test(nodeid: str) -> str:
+    """The unit a worker takes under --tests-one-by-one: a notebook's cell's is its notebook, a
+    test's is itself."""
+    path = nodeid.split("::", 1)[0]
+    return path if path.endswith(".ipynb") else nodeid
 
 
 def _marked_first(items):

@@ -84,6 +84,7 @@ def test_a_job_left_running_is_cancelled_and_its_processes_ended_by_stop():
 # requeues the job itself. Each time Slurm stops the ranks with SIGTERM, they save, and the job
 # runs again from there.
 @pytest.mark.cluster
+@pytest.mark.starts_first  # about 2 minutes: three runs of the job, and plain torchrun's
 @needs_cluster
 def test_a_job_requeued_by_hand_then_at_a_time_limits_warning_ends_equal_to_plain_torchrun():
     config = training.LESSON_CONFIG

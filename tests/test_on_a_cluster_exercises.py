@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
     reason=f"no cluster here: {unavailable()}")]
 
 
+@pytest.mark.starts_first  # the tier's longest test: two jobs, each against plain torchrun
 def test_the_batch_script_solution_passes():
     result = check("batch_script", solution("batch_script"))
     assert result.passed, repr(result)

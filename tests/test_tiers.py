@@ -156,23 +156,36 @@ def test_a_tier_does_not_collect_another_tiers_files(tier, path, ignored):
     assert conftest.pytest_ignore_collect(ROOT / path, _Options(tier)) is ignored
 
 
-def test_a_tiers_items_are_sorted_by_file_slow_ones_first_each_file_whole_and_in_order(tmp_path):
-    """conftest.py's sort of the collected items, on stand-ins for nbval's cells and tests."""
-    def items(path, count, module=None):
-        return [SimpleNamespace(path=path, name=f"{path.stem} {index}", module=module)
+def test_a_tiers_items_are_sorted_by_file_slow_ones_first_the_tests_marked_to_start_first_first(
+        tmp_path):
+    """conftest.py's sort of the collected items, on stand-ins for nbval's cells and tests: the
+    slow notebooks, the test files that start first, the rest; in each, what is marked
+    `starts_first` first, and the others in their order."""
+    def items(path, count, module=None, first=()):
+        return [SimpleNamespace(path=path, name=f"{path.stem} {index}", module=module,
+                                get_closest_marker=lambda marker, index=index: (
+                                    object() if index in first and marker == "starts_first"
+                                    else None))
                 for index in range(count)]
 
     collected = (items(_notebook(tmp_path, "03_collectives", [90.0]), 2)
                  + items(_notebook(tmp_path, "07_zero_and_fsdp", [10.0]), 3)
                  + items(_notebook(tmp_path, "09_pipeline_parallelism", [20.0]), 2)
                  + items(tmp_path / "test_launcher.py", 2, SimpleNamespace(STARTS_FIRST=True))
-                 + items(tmp_path / "test_llama.py", 1, SimpleNamespace()))
+                 + items(tmp_path / "test_llama.py", 1, SimpleNamespace())
+                 + items(tmp_path / "test_layouts.py", 3, SimpleNamespace(), first={2}))
     _root_conftest()._slowest_first(collected)
     assert [item.name for item in collected] == [
         "09_pipeline_parallelism 0", "09_pipeline_parallelism 1",
         "07_zero_and_fsdp 0", "07_zero_and_fsdp 1", "07_zero_and_fsdp 2",
-        "test_launcher 0", "test_launcher 1", "03_collectives 0", "03_collectives 1",
-        "test_llama 0"]
+        "test_launcher 0", "test_launcher 1", "test_layouts 2", "03_collectives 0",
+        "03_collectives 1", "test_llama 0", "test_layouts 0", "test_layouts 1"]
+
+
+def test_one_by_one_a_notebooks_cells_are_one_unit_and_each_test_one_of_its_own():
+    unit = _root_conftest().notebook_or_test
+    assert unit("notebooks/15_on_a_cluster.ipynb::Cell 3") == "notebooks/15_on_a_cluster.ipynb"
+    assert unit("tests/test_tiers.py::test_a[x::y]") == "tests/test_tiers.py::test_a[x::y]"
 
 
 def _makefile_rules():

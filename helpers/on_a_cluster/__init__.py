@@ -18,6 +18,7 @@ CAN_DO = ("run that loop under Slurm on several nodes, requeued when preempted")
 # Its notebook and its tests run against a real Slurm cluster, in a tier of their own
 # (make cluster-tests; helpers/lessons.py).
 TIER = "cluster"
+SLOW = True  # its notebook is the cluster tier's longest file: it starts first
 
 # The names this lesson takes from earlier lessons (tests/test_structure.py checks the imports):
 BUILDS_ON = {
