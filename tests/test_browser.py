@@ -433,7 +433,7 @@ def _move_a_widget(page, lab, lesson, cells, plan):
     places = [(h, v) for h, slide in enumerate(slides.slides(cells)) for v in range(len(slide))]
     place = next(index for index, sub_slide in enumerate(plan)
                  if any(cell is cells[widget] for cell in sub_slide))
-    _open_slides(page, lab, lesson)
+    # the slideshow the test walked is still open, on its kernel: go to the widget's sub-slide
     page.evaluate(f"() => {{ window.location.hash = '#/slide-{places[place][0]}-"
                   f"{places[place][1]}'; }}")
     _settle(page)
