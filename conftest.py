@@ -37,7 +37,9 @@
   The soak tier uses it: its cases repeat one way of failing with another input, and it was the
   longest tier; the other-CPU tier too, for the soaks it runs again. So does the slides tier, for
   the handouts (one lesson's PDF a case: the same printing, each lesson's pages; all fifteen were
-  one test of 191 s, the tier's longest).
+  one test of 191 s, the tier's longest). A case marked `turn(k)` runs in turn k instead of its
+  index's: the soak's heaviest cases, of a minute or so, are given turns by their measured
+  seconds, so that each run of the soak tier takes about a third of them, not two at once.
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (tagged
   `nbval-ignore-output`, with `"nbval_ignore_output_because": "timings"` in its metadata) is not
   run when no later cell of its notebook needs a name it assigns. The other-CPU tier uses it:
@@ -209,7 +211,9 @@ def pytest_collection_modifyitems(config, items):
     if share > 1:
         taking_turns = [item for item in items if item.get_closest_marker("soak")
                         or item.get_closest_marker("takes_turns")]
-        kept = cases_kept([item.nodeid for item in taking_turns], share, _commit_number())
+        turns = {item.nodeid: item.get_closest_marker("turn").args[0] for item in taking_turns
+                 if item.get_closest_marker("turn")}
+        kept = cases_kept([item.nodeid for item in taking_turns], share, _commit_number(), turns)
         left_out = {item.nodeid for item in taking_turns} - kept
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in left_out])
         items[:] = [item for item in items if item.nodeid not in left_out]
@@ -236,10 +240,12 @@ def ignored_because(cell) -> str | None:
     return cell.metadata.get("nbval_ignore_output_because", "")
 
 
-def cases_kept(nodeids: list, share: int, number: int) -> set:
+def cases_kept(nodeids: list, share: int, number: int, turns: dict | None = None) -> set:
     """The node ids --cases-share keeps: every test that is not parametrized; of each one that
-    is, its cases at indices i with i % share == number % share, or, where it has too few cases
-    for that, the one at number % (its count)."""
+    is, its cases whose turn is number % share, or, where it has none in that turn, the one at
+    number % (its count). A case's turn is its index i % share, or the k of its `turn(k)`
+    marker (`turns`: node id -> k)."""
+    turns = turns or {}
     cases = {}
     for nodeid in nodeids:
         cases.setdefault(nodeid.split("[")[0], []).append(nodeid)
@@ -248,7 +254,8 @@ def cases_kept(nodeids: list, share: int, number: int) -> set:
         if len(ids) == 1 and "[" not in ids[0]:
             kept.add(ids[0])
             continue
-        chosen = [nodeid for index, nodeid in enumerate(ids) if index % share == number % share]
+        chosen = [nodeid for index, nodeid in enumerate(ids)
+                  if turns.get(nodeid, index) % share == number % share]
         kept.update(chosen or [ids[number % len(ids)]])
     return kept
 

@@ -751,26 +751,31 @@ def entry_point_with(handled=(signal.SIGINT, signal.SIGTERM), agreed=True, stops
 ENTRY = "For the case rank=1, after=2, signal_name='SIGTERM': "
 
 
+# The soak tier runs a third of the cases a commit, in the turns given (conftest.py): by their
+# seconds in the soak runs of 2026-11-30 (SIGTERM only 49, no agreement 42, the others 22),
+# beside the turns of the reference solutions' checks (tests/test_exercises.py, TURNS).
 @pytest.mark.soak  # torchrun of 4 ranks, twice a case
 @pytest.mark.parametrize(("mistake", "says", "hint"), [
     pytest.param(entry_point_with(handled=()),
                  ENTRY + "how the signalled run ended: expected 'exit code 0', got 'exit code 1; "
                          "rank 1 exited with -15",
-                 "Hint: SIGTERM ended rank 1 at once", id="no handler"),
+                 "Hint: SIGTERM ended rank 1 at once", id="no handler",
+                 marks=pytest.mark.turn(1)),
     pytest.param(entry_point_with(handled=(signal.SIGTERM,)),
                  "For the case rank=3, after=4, signal_name='SIGINT': how the signalled run "
                  "ended: expected 'exit code 0', got 'exit code 1",
-                 "Hint: Python turns SIGINT into KeyboardInterrupt", id="SIGTERM only"),
+                 "Hint: Python turns SIGINT into KeyboardInterrupt", id="SIGTERM only",
+                 marks=pytest.mark.turn(0)),
     pytest.param(entry_point_with(stops=False),
                  ENTRY + "the step each rank stopped after: expected [2], got [6]",
-                 "Hint: the run went on to the end", id="never stops"),
+                 "Hint: the run went on to the end", id="never stops", marks=pytest.mark.turn(2)),
     # the checker waits out its torchrun timeout (90 s for a learner; 40 s here, where the run
     # has reached its signal long before: the ranks' last events say so)
     pytest.param(entry_point_with(agreed=False),
                  ENTRY + "the signalled run did not end within 40 s and was killed: some rank "
                          "waited for the others: rank 0 had",
                  "Hint: when one rank stops and the others go on", id="no agreement",
-                 marks=pytest.mark.starts_first),
+                 marks=[pytest.mark.starts_first, pytest.mark.turn(0)]),
 ])
 def test_the_entry_point_checker_rejects(mistake, says, hint, monkeypatch, request):
     if request.node.callspec.id == "no agreement":

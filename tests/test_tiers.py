@@ -269,6 +269,17 @@ def test_a_share_of_cases_keeps_every_test_and_one_case_in_n_chosen_by_the_commi
     assert keep(ids, 1, 7) == set(ids)
 
 
+def test_a_case_given_a_turn_runs_in_that_turn_and_the_others_by_their_index():
+    ids = ["t.py::table[a]", "t.py::table[b]", "t.py::table[c]", "t.py::table[d]"]
+    keep = _root_conftest().cases_kept
+    turns = {"t.py::table[a]": 2, "t.py::table[d]": 2}  # a and d, the heavy two, apart from ...
+    assert keep(ids, 3, 2, {"t.py::table[a]": 1}) == {"t.py::table[c]"}
+    assert keep(ids, 3, 1, {"t.py::table[a]": 1}) == {"t.py::table[a]", "t.py::table[b]"}
+    assert keep(ids, 3, 0, {"t.py::table[a]": 1}) == {"t.py::table[d]"}
+    assert keep(ids, 3, 2, turns) == {"t.py::table[a]", "t.py::table[c]", "t.py::table[d]"}
+    assert keep(ids, 3, 0, turns) == {"t.py::table[a]"}  # ... no case in turn 0: one by number
+
+
 def test_without_a_tier_the_tests_marked_to_start_first_do_each_group_in_its_order():
     def item(name, first=False):
         return SimpleNamespace(name=name, get_closest_marker=lambda marker: (
