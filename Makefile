@@ -113,8 +113,8 @@ slides: setup
 # Three workers (on two cores: their ranks wait on Slurm, and with two workers the cores were idle
 # 25 % of the tier; with three, 7 %), which take the tests one by one and the notebook whole
 # (--tests-one-by-one; conftest.py): the notebook and the two longest tests start at once, the
-# others fill in behind (file by file, one file of tests of 4 minutes was the tier's tail, with
-# the cores idle 14 % of it). Where no cluster can start, its tests are skipped (the notebook's
+# others fill in behind (file by file, one file of tests of 4 minutes was the tier's tail, and
+# the cores were idle 14 % of the tier). Where no cluster can start, its tests are skipped (the notebook's
 # first cell fails, saying why); REQUIRE_CLUSTER=1 (CI) makes that an error.
 cluster-tests: WORKERS = 3
 cluster-tests: setup

@@ -289,6 +289,7 @@ def _slowest_first(items):
     items.sort(key=lambda item: (keys[item.path], item.get_closest_marker("starts_first") is None))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist, never called
 def pytest_xdist_make_scheduler(config, log):
     """With --tests-one-by-one (the cluster tier's): each notebook whole on one worker, in order,
     in one kernel, and every other test handed out on its own (xdist's loadgroup would, but it
