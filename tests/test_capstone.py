@@ -752,8 +752,8 @@ ENTRY = "For the case rank=1, after=2, signal_name='SIGTERM': "
 
 
 # The soak tier runs a third of the cases a commit, in the turns given (conftest.py): by their
-# seconds in the soak runs of 2026-11-30 (SIGTERM only 49, no agreement 42, the others 22),
-# beside the turns of the reference solutions' checks (tests/test_exercises.py, TURNS).
+# seconds in the soak runs of 2026-11-30/12-01 (SIGTERM only 49, no agreement 42, the others
+# 22), beside the turns of the reference solutions' checks (tests/test_exercises.py, SLOW_TURNS).
 @pytest.mark.soak  # torchrun of 4 ranks, twice a case
 @pytest.mark.parametrize(("mistake", "says", "hint"), [
     pytest.param(entry_point_with(handled=()),

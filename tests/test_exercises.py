@@ -26,14 +26,13 @@ STARTS_FIRST = True
 # (20 s), recipe_step (three launches, 18 s) and entry_point (four torchruns, about a minute),
 # their checkers' rejections in the soak tier too (tests/test_capstone.py); lesson 12's
 # resumable (16 s) and lesson 11's scaled_step (11 s), whose rejections make test runs.
-SLOW = {"choose_plan", "capstone", "entry_point", "recipe_step", "resumable", "scaled_step"}
 # The soak tier runs a third of them a commit (--cases-share 3), in these turns (conftest.py), by
-# their seconds in the soak runs of 2026-11-30 (choose_plan 70, entry_point 45, resumable 16,
+# their seconds in the soak runs of 2026-11-30/12-01 (choose_plan 70, entry_point 45, resumable 16,
 # scaled_step 11, capstone 9, recipe_step 6), beside tests/test_capstone.py's entry-point
 # rejections' turns: by their index, choose_plan and entry_point shared one, and that run of the
 # soak tier took 6:30, against 4:38 to 5:28 for the others.
-TURNS = {"choose_plan": 2, "recipe_step": 2, "entry_point": 1, "scaled_step": 1,
-         "resumable": 0, "capstone": 0}
+SLOW_TURNS = {"choose_plan": 2, "recipe_step": 2, "entry_point": 1, "scaled_step": 1,
+              "resumable": 0, "capstone": 0}
 # Lesson 15's checkers need Slurm (scontrol; a cluster they start): the cluster tier runs their
 # reference solutions and rejections (tests/test_on_a_cluster_exercises.py).
 ON_A_CLUSTER = {"batch_script", "hostnames"}
@@ -42,8 +41,8 @@ ON_A_CLUSTER = {"batch_script", "hostnames"}
 def _tier(name):
     if name in ON_A_CLUSTER:
         return pytest.param(name, marks=pytest.mark.cluster)
-    if name in SLOW:
-        return pytest.param(name, marks=[pytest.mark.soak, pytest.mark.turn(TURNS[name])])
+    if name in SLOW_TURNS:
+        return pytest.param(name, marks=[pytest.mark.soak, pytest.mark.turn(SLOW_TURNS[name])])
     return name
 
 
