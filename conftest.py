@@ -8,6 +8,11 @@
   nbval's cell timeout.
 - A cell's heartbeat (helpers.notebook: "still running", where a cell runs long) is left out of
   what nbval compares, on both sides: whether it shows depends on the machine's speed.
+- No silent wait: a cell that runs longer than SILENT_CELL_S must show something, its own output,
+  a progress bar or the heartbeat, within PROGRESS_WITHIN_S of its start, as a learner or a hall
+  watching it live would see it. nbval's kernel messages are timed by the kernel's own clock
+  (each message's header date: the test process's own load does not count), the cell fails
+  where it was silent longer, and each tier that runs notebooks prints what it found.
 - A kernel that dies before it answers is started again, up to KERNEL_STARTS times in all, with
   a warning that quotes its last words. Once in a CI run, beside pip installing another Python's
   environment, one kernel died so (nbval sends a kernel's stderr to /dev/null; the likeliest
@@ -37,9 +42,11 @@
   The soak tier uses it: its cases repeat one way of failing with another input, and it was the
   longest tier; the other-CPU tier too, for the soaks it runs again. So does the slides tier, for
   the handouts (one lesson's PDF a case: the same printing, each lesson's pages; all fifteen were
-  one test of 191 s, the tier's longest). A case marked `turn(k)` runs in turn k instead of its
-  index's: the soak's heaviest cases, of a minute or so, are given turns by their measured
-  seconds, so that each run of the soak tier takes about a third of them, not two at once.
+  one test of 191 s, the tier's longest), one in five of them: a test marked `takes_turns(n)`
+  runs one case in n where the tier's share is over 1. A case marked `turn(k)` runs in turn k
+  instead of its index's: the soak's heaviest cases, of a minute or so, are given turns by their
+  measured seconds, so that each run of the soak tier takes about a third of them, not two at
+  once.
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (tagged
   `nbval-ignore-output`, with `"nbval_ignore_output_because": "timings"` in its metadata) is not
   run when no later cell of its notebook needs a name it assigns. The other-CPU tier uses it:
@@ -60,6 +67,8 @@ import helpers.launcher.pool  # noqa: F401, E402, I001 - imported for that alone
 
 NBVAL_OUTPUT_WAIT_S = 60
 KERNEL_STARTS = 3
+SILENT_CELL_S, PROGRESS_WITHIN_S = 5.0, 2.0
+SHOWN = ("stream", "display_data", "update_display_data", "execute_result", "error")
 
 
 def started_again_if_it_dies(start_new_kernel, starts: int = KERNEL_STARTS):
@@ -100,6 +109,73 @@ def compared_without_heartbeats(compare_outputs):
     return compare
 
 
+def cell_timing(messages: list) -> tuple:
+    """(seconds the cell ran, seconds from its start to its first output, None if it showed
+    nothing) from the iopub messages of its run, by the kernel's clock: from its execute_input
+    to its idle status. (None, None) where the run has no start or no end (a cell that hung)."""
+    from datetime import datetime
+
+    def when(message):
+        date = message["header"]["date"]
+        return date if isinstance(date, datetime) else datetime.fromisoformat(date)
+
+    started = next((m for m in messages if m["msg_type"] == "execute_input"), None)
+    if started is None:
+        return None, None
+    run = [m for m in messages
+           if m["parent_header"].get("msg_id") == started["parent_header"].get("msg_id")]
+    ended = next((m for m in run if m["msg_type"] == "status"
+                  and m["content"].get("execution_state") == "idle"), None)
+    if ended is None:
+        return None, None
+    shown = next((m for m in run if m["msg_type"] in SHOWN), None)
+    return ((when(ended) - when(started)).total_seconds(),
+            None if shown is None else (when(shown) - when(started)).total_seconds())
+
+
+def watched_for_silence(runtest):
+    """nbval's run of a cell, which also records the iopub messages that nbval reads for it
+    (`kept_messages`), and fails a cell that ran over SILENT_CELL_S and showed nothing for its
+    first PROGRESS_WITHIN_S. What it measured goes into the test's report (user_properties)."""
+
+    @functools.wraps(runtest)
+    def run(self):
+        messages = self.parent.kept_messages = []
+        try:
+            runtest(self)
+        finally:
+            self.parent.kept_messages = None
+            seconds, first = cell_timing(messages)
+            if seconds is not None:
+                self.user_properties.append(("live", (seconds, first)))
+        if seconds is not None and seconds > SILENT_CELL_S and (
+                first is None or first > PROGRESS_WITHIN_S):
+            shown = "nothing" if first is None else f"nothing for its first {first:.1f} s"
+            self.raise_cell_error(
+                f"this cell ran {seconds:.1f} s and showed {shown}: live, on a slide, that is "
+                f"a silent wait (the rule: something within {PROGRESS_WITHIN_S:g} s of any cell "
+                f"over {SILENT_CELL_S:g} s). Import helpers first (its heartbeat), print as it "
+                "goes, or show a progress bar (helpers.notebook.progress_bar, waiting).")
+
+    run.watched = True
+    return run
+
+
+def messages_kept(get_kernel_message):
+    """nbval's read of a kernel message, keeping each in the notebook's `kept_messages` while a
+    cell runs."""
+
+    @functools.wraps(get_kernel_message)
+    def get(self, *args, **kwargs):
+        message = get_kernel_message(self, *args, **kwargs)
+        if getattr(self, "kept_messages", None) is not None:
+            self.kept_messages.append(message)
+        return message
+
+    get.kept = True
+    return get
+
+
 try:
     import nbval.kernel
     import nbval.plugin
@@ -111,6 +187,11 @@ else:
     if not getattr(nbval.plugin.IPyNbCell.compare_outputs, "without_heartbeats", False):
         nbval.plugin.IPyNbCell.compare_outputs = compared_without_heartbeats(
             nbval.plugin.IPyNbCell.compare_outputs)
+    if not getattr(nbval.plugin.IPyNbCell.runtest, "watched", False):
+        nbval.plugin.IPyNbCell.runtest = watched_for_silence(nbval.plugin.IPyNbCell.runtest)
+    if not getattr(nbval.plugin.IPyNbFile.get_kernel_message, "kept", False):
+        nbval.plugin.IPyNbFile.get_kernel_message = messages_kept(
+            nbval.plugin.IPyNbFile.get_kernel_message)
 
 
 def pytest_configure(config):
@@ -166,12 +247,16 @@ def pytest_ignore_collect(collection_path, config):
 
 
 SECONDS_BY_FILE: dict = {}  # under --tier: a file's seconds, setup, call and teardown summed
+LIVE: dict = {}  # a notebook cell's node id: (seconds it ran, seconds to its first output)
 
 
 def pytest_runtest_logreport(report):
     """Every phase of every test, as the workers report it to the controller."""
     path = report.nodeid.split("::")[0]
     SECONDS_BY_FILE[path] = SECONDS_BY_FILE.get(path, 0.0) + report.duration
+    for key, value in report.user_properties:
+        if key == "live":
+            LIVE[report.nodeid] = value
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -179,6 +264,26 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("-", f"each lesson's share of tier {config.getoption('--tier')}")
         for line in lesson_shares(SECONDS_BY_FILE):
             terminalreporter.write_line(line)
+    if LIVE:
+        terminalreporter.write_sep("-", "no silent wait")
+        terminalreporter.write_line(silence_summary(LIVE))
+
+
+def silence_summary(live: dict) -> str:
+    """What the cells showed while they ran, by the kernel's clock, in one line."""
+    slow = {nodeid: first for nodeid, (seconds, first) in live.items() if seconds > SILENT_CELL_S}
+    longest = max(live.values())[0]
+    said = (f"{len(live)} cells run, the longest {longest:.0f} s; {len(slow)} over "
+            f"{SILENT_CELL_S:g} s")
+    if not slow:
+        return said
+    silent = [nodeid for nodeid, first in slow.items()
+              if first is None or first > PROGRESS_WITHIN_S]
+    latest = max(slow.values(), key=lambda first: float("inf") if first is None else first)
+    return (f"{said}, each of which showed something within {PROGRESS_WITHIN_S:g} s: "
+            f"{not silent} (the latest first output "
+            f"{'never came' if latest is None else f'after {latest:.1f} s'}"
+            f"{'; silent: ' + ', '.join(silent) if silent else ''})")
 
 
 def lesson_shares(seconds_by_file: dict) -> list:
@@ -213,7 +318,12 @@ def pytest_collection_modifyitems(config, items):
                         or item.get_closest_marker("takes_turns")]
         turns = {item.nodeid: item.get_closest_marker("turn").args[0] for item in taking_turns
                  if item.get_closest_marker("turn")}
-        kept = cases_kept([item.nodeid for item in taking_turns], share, _commit_number(), turns)
+        shares = {}  # a test marked takes_turns(n) runs one case in n, whatever the tier's share
+        for item in taking_turns:
+            marker = item.get_closest_marker("takes_turns")
+            shares.setdefault(marker.args[0] if marker and marker.args else share, []).append(item)
+        kept = set().union(*(cases_kept([item.nodeid for item in group], n, _commit_number(), turns)
+                             for n, group in shares.items()))
         left_out = {item.nodeid for item in taking_turns} - kept
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in left_out])
         items[:] = [item for item in items if item.nodeid not in left_out]

@@ -3,6 +3,7 @@ again, saying so, and nothing else is retried."""
 
 import importlib.util
 import os
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -67,6 +68,13 @@ def test_nbval_starts_its_kernels_through_it():
     assert getattr(nbval.kernel.start_new_kernel, "started_again", False)
 
 
+def test_nbval_runs_each_cell_watched_for_a_silent_wait():
+    import nbval.plugin
+
+    assert getattr(nbval.plugin.IPyNbCell.runtest, "watched", False)
+    assert getattr(nbval.plugin.IPyNbFile.get_kernel_message, "kept", False)
+
+
 def _code_cells():
     import nbformat
 
@@ -105,3 +113,95 @@ def test_a_timing_is_known_by_its_reason():
     assert conftest.ignored_because(timing) == "timings"
     assert conftest.ignored_because(widget) == "a live widget"
     assert conftest.ignored_because(nbformat.v4.new_code_cell("x")) is None
+
+
+START = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def _message(kind, at, parent="this cell", **content):
+    """An iopub message as jupyter_client gives it, `at` seconds after START by the kernel's
+    clock (its header's date)."""
+    return {"msg_type": kind, "header": {"date": START + timedelta(seconds=at)},
+            "parent_header": {"msg_id": parent}, "content": content}
+
+
+def _cell_run(shown, ends, parent="this cell"):
+    """The messages of one cell's run: busy, its input, what it showed (kind, at), idle."""
+    return [_message("status", 0, parent, execution_state="busy"),
+            _message("execute_input", 0, parent),
+            *[_message(kind, at, parent) for kind, at in shown],
+            _message("status", ends, parent, execution_state="idle")]
+
+
+def test_a_cells_seconds_and_its_first_output_are_read_off_the_kernels_clock():
+    conftest = _root_conftest()
+    other = _message("stream", 0.2, parent="another cell")  # not this cell's: left out
+    assert conftest.cell_timing([other] + _cell_run([("stream", 2.5), ("display_data", 3)],
+                                                    ends=7.25)) == (7.25, 2.5)
+    assert conftest.cell_timing(_cell_run([], ends=6)) == (6.0, None)
+    assert conftest.cell_timing(_cell_run([], ends=6)[:-1]) == (None, None)  # it never ended
+    as_text = [{**message, "header": {"date": message["header"]["date"].isoformat()}}
+               for message in _cell_run([("update_display_data", 1)], ends=5.5)]
+    assert conftest.cell_timing(as_text) == (5.5, 1.0)
+
+
+def _watched(conftest, messages):
+    """Run a stand-in for nbval's cell (it reads messages until the cell's idle status) under
+    the course's watch: what it recorded, or the error it raised."""
+
+    class Notebook:
+        def __init__(self):
+            self.queue = list(messages)
+
+        @conftest.messages_kept
+        def get_kernel_message(self, timeout=None, stream="iopub"):
+            return self.queue.pop(0)
+
+    class Cell:
+        def __init__(self):
+            self.parent, self.user_properties = Notebook(), []
+
+        def raise_cell_error(self, message):
+            raise AssertionError(message)
+
+        @conftest.watched_for_silence
+        def runtest(self):
+            while True:
+                message = self.parent.get_kernel_message()
+                if message["content"].get("execution_state") == "idle":
+                    return
+
+    cell = Cell()
+    try:
+        cell.runtest()
+    except AssertionError as error:
+        return str(error)
+    return cell.user_properties
+
+
+def test_a_cell_over_5_s_must_show_something_within_2_s():
+    conftest = _root_conftest()
+    assert (conftest.SILENT_CELL_S, conftest.PROGRESS_WITHIN_S) == (5.0, 2.0)
+    heartbeat = [("display_data", 1.0), ("update_display_data", 2.0)]  # helpers.notebook's
+    assert _watched(conftest, _cell_run(heartbeat, ends=30)) == [("live", (30.0, 1.0))]
+    assert _watched(conftest, _cell_run([], ends=4.5)) == [("live", (4.5, None))]  # quick
+    assert _watched(conftest, _cell_run([], ends=5.5)) == (
+        "this cell ran 5.5 s and showed nothing: live, on a slide, that is a silent wait (the "
+        "rule: something within 2 s of any cell over 5 s). Import helpers first (its "
+        "heartbeat), print as it goes, or show a progress bar (helpers.notebook.progress_bar, "
+        "waiting).")
+    assert _watched(conftest, _cell_run([("stream", 2.25)], ends=9)).startswith(
+        "this cell ran 9.0 s and showed nothing for its first 2.2 s")
+
+
+def test_each_tier_says_what_its_cells_showed():
+    conftest = _root_conftest()
+    assert conftest.silence_summary({"a::Cell 0": (1.0, None), "a::Cell 1": (3.0, 0.1)}) == (
+        "2 cells run, the longest 3 s; 0 over 5 s")
+    assert conftest.silence_summary({"a::Cell 0": (12.0, 1.5), "a::Cell 1": (6.0, 1.0),
+                                     "a::Cell 2": (2.0, None)}) == (
+        "3 cells run, the longest 12 s; 2 over 5 s, each of which showed something within 2 s: "
+        "True (the latest first output after 1.5 s)")
+    assert conftest.silence_summary({"a::Cell 0": (12.0, None), "a::Cell 1": (6.0, 1.0)}) == (
+        "2 cells run, the longest 12 s; 2 over 5 s, each of which showed something within 2 s: "
+        "False (the latest first output never came; silent: a::Cell 0)")
