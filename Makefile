@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup lab present release grade book book-env handouts train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean
+.PHONY: setup lab present release grade book book-env handouts train cluster test long soak other-cpu slides cluster-tests ci test-python other-python test-gpu lint notebooks figures benchmark clean browser system-packages
 
 setup: $(INSTALLED)
 
@@ -100,11 +100,11 @@ soak: setup
 # slides in Chromium at 1280 x 720, each lesson's first widget run live and moved, one lesson a
 # test, each printing what it measured (-rA shows it); and two lessons in JupyterLab's notebook
 # view, as a student runs them. And the book (make book) read offline in Chromium, and the
-# handouts printed, a third of the lessons' in a run, taking turns by commit as the soaks' cases
+# handouts printed, a fifth of the lessons' in a run, taking turns by commit as the soaks' cases
 # do (tests/test_book.py). Three workers on two cores: a browser waits for pages and kernels
 # (with two, the cores were idle 28 % of the tier; with three, 13 %).
 slides: WORKERS = 3
-slides: setup
+slides: setup browser
 	$(PYTEST) --dist load -rA -m slides --cases-share $(SHARE) tests/test_book.py tests/test_browser.py
 
 # The lessons of TIER = "cluster" (lesson 15) against a real Slurm of two nodes that each test
@@ -140,17 +140,36 @@ other-cpu: setup
 test-gpu: setup
 	$(PY) -m pytest -m gpu -v tests/test_gpu.py
 
+# Debian's Chromium, where it is missing, as root with apt-get: the slides tier drives it
+# (Playwright cannot download its own here). Elsewhere a word, and its tests are skipped.
+browser:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		if (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				chromium) >/dev/null 2>&1; then \
+			echo "installed $$(chromium --version 2>/dev/null)"; \
+		else echo "error: could not install chromium with apt; the browser tests will fail" >&2; fi; \
+	else echo "warning: no chromium (apt-get install chromium, as root): no browser tests" >&2; fi
+
+# The system's packages of the slides and cluster tiers, one install after the other (apt takes
+# one at a time): Chromium, then Slurm and munge (helpers/on_a_cluster). make ci installs them
+# beside the soak tier, whose ranks leave part of the cores idle while they wait: an install
+# waits on the network and unpacks on one core.
+system-packages: setup browser
+	$(PY) -m helpers.on_a_cluster.cluster install
+
 # Every tier, in CI's order (.ci/run runs `make ci OTHER_PYTHON=...`), stopping at the first that
 # fails: README's make test first. The tiers run one after another: run beside each other, their
 # ranks outnumber the cores many times over and every tier slows (measured: other-cpu 3:28 alone,
 # 8:22 beside lesson 15's and the capstone's tiers, no faster in all). The exceptions (BESIDE,
-# tier:beside it) are light: the environments of the other Python and of the book (make book, in
-# the slides tier) install beside the other-CPU tier (an install is mostly unpacking, on one
-# core), and the other Python's tests run beside the capstone's one notebook (long, 85 % of the
-# cores; the launcher's tests wait on their ranks and timeouts more than they compute). Each
-# target's output is printed as it ends.
+# tier:beside it) are light: the system's packages (Chromium, Slurm) install beside the soak
+# tier, the environments of the other Python and of the book (make book, in the slides tier)
+# beside the other-CPU tier (an install is mostly unpacking, on one core), and the other
+# Python's tests run beside the capstone's one notebook (long, 85 % of the cores; the
+# launcher's tests wait on their ranks and timeouts more than they compute). Each target's
+# output is printed as it ends.
 CI_TIERS := test soak other-cpu cluster-tests long slides test-python
-BESIDE := other-cpu:book-env $(if $(OTHER_PYTHON),other-cpu:other-python long:test-python)
+BESIDE := soak:system-packages other-cpu:book-env $(if $(OTHER_PYTHON),other-cpu:other-python long:test-python)
 # Each tier's wall-clock time is printed as it ends, and all of them at the end: the budgets'
 # measure (README), never asserted in a test.
 ci:

@@ -237,10 +237,10 @@ def test_ci_runs_every_tier_readmes_test_first_and_ci_run_only_make_ci():
 @pytest.mark.skipif(not (ROOT / ".ci/run").exists(),
                     reason="a student release (make release) has no CI of the course's")
 @pytest.mark.parametrize("other_python, steps", [
-    ("", ["test", "soak", "other-cpu and book-env", "cluster-tests", "long", "slides",
-          "test-python"]),
-    ("python3.13", ["test", "soak", "other-cpu and book-env and other-python", "cluster-tests",
-                    "long and test-python", "slides"])])
+    ("", ["test", "soak and system-packages", "other-cpu and book-env", "cluster-tests", "long",
+          "slides", "test-python"]),
+    ("python3.13", ["test", "soak and system-packages", "other-cpu and book-env and other-python",
+                    "cluster-tests", "long and test-python", "slides"])])
 def test_make_ci_runs_each_tier_once_in_order_and_the_pairs_side_by_side(other_python, steps):
     """make -n: every command printed, none run (those of the tiers' own makes too)."""
     done = subprocess.run(["make", "-n", "ci", f"OTHER_PYTHON={other_python}"], cwd=ROOT,
@@ -291,10 +291,11 @@ def test_without_a_tier_the_tests_marked_to_start_first_do_each_group_in_its_ord
     assert [test.name for test in collected] == ["waits 1", "waits 2", "a", "b", "c"]
 
 
-def test_the_slides_tier_takes_a_third_of_the_handouts_and_every_lesson_as_slides():
+def test_the_slides_tier_takes_a_fifth_of_the_handouts_and_every_lesson_as_slides():
     """--cases-share thins only the tests marked soak or takes_turns: the slides tier's collection
     (what `make slides` runs, collected only) keeps every lesson's slides test, and the handouts
-    of a third of the lessons; every lesson's handout over three commits (cases_kept, above)."""
+    of a fifth of the lessons (takes_turns(5)); every lesson's handout over five commits
+    (cases_kept, above)."""
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
                            "no:cacheprovider", "-m", "slides", "--cases-share", "3",
                            "tests/test_book.py", "tests/test_browser.py"],
@@ -303,4 +304,4 @@ def test_the_slides_tier_takes_a_third_of_the_handouts_and_every_lesson_as_slide
     slides = [nodeid for nodeid in ids if "::test_the_lesson_as_slides[" in nodeid]
     printed = [nodeid for nodeid in ids if "::test_the_handouts_print_each_lesson" in nodeid]
     assert len(slides) == len(LESSON_NOTEBOOKS) == 15, done.stdout[-500:]
-    assert len(printed) == 5, printed
+    assert len(printed) == 3, printed
