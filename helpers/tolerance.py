@@ -8,15 +8,23 @@ differ by at most n·ε·Σ|terms|, with ε = 2⁻²³ ≈ 1.19e-7, float32's ma
 within (n − 1)·ε/2·Σ|terms| of the exact sum: Higham, *Accuracy and Stability of Numerical
 Algorithms*, 2nd ed., 2002, §4.2). So:
 
-    float32_bound(terms, scale, steps)   ε × terms × scale × steps: for values of size `scale`
-                                         (their terms' sizes adding up to about as much), each a
-                                         sum of at most `terms` terms, after `steps` such sums
-                                         in a row (a rough allowance there: each layer also
+    float32_bound(terms, scale, steps)   ε × terms × scale × steps: for values of size `scale`,
+                                         each a sum of at most `terms` terms, after `steps` such
+                                         sums in a row (a rough allowance there: each layer also
                                          scales the error it receives)
     within(difference, bound)            the verdict a notebook prints: "within 10⁻⁷: True"
     agree(pairs, terms, steps)           every (got, expected) tensor within the bound scaled
                                          to that tensor's largest magnitude: True or False
     relative_verdict(ok, terms, steps)   how a notebook prints agree's answer
+
+The scale is the result's largest magnitude, not the Σ|terms| of the bound above, which for sums of
+mixed signs is larger (in lesson 08's four layers, the largest Σ|terms| is 3.9 to 5.4 times the
+largest result: measured on 2026-12-01). The bound still holds, with room: in practice the rounding
+errors of a sum are of either sign and mostly cancel, and grow like √n·ε·Σ|terms|, not n·ε·Σ|terms|
+(Higham and Mary, "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput.
+41(5), 2019); n·ε·max is at least that wherever Σ|terms| is within √n times the largest result (32
+times, for 1024 terms). So a check counts its longest sum as `terms`, and the sums that feed one
+another (layers, a ratio of two sums) as `steps`.
 
 A wrong algorithm (a missing average, a wrong slice, a gradient added twice) moves a result by
 its own size: far above a bound scaled to that size, which is why a bound must be scaled to the

@@ -22,7 +22,7 @@ from pathlib import Path
 import filelock
 import nbformat
 import pytest
-from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from browser import CHROMIUM_ARGS, chromium, needs_chromium
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "book"))  # book/ is not a package
@@ -75,7 +75,7 @@ def offline_browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
         context = browser.new_context(offline=True, viewport={"width": 1280, "height": 720})
         context.fetched_elsewhere = []
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from browser import CHROMIUM_ARGS, chromium, needs_chromium
 
 from helpers import present, slides
 
@@ -123,7 +123,7 @@ def page(lab):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
         try:
             yield browser.new_page(viewport={"width": 1400, "height": 1000}), lab
         finally:
@@ -491,7 +491,7 @@ def test_the_lesson_as_slides(lab, lesson):
     too_tall, scrolled, too_wide, broken, numbers, words, widget = [], [], [], [], [], [], None
     smallest = prose = (1000, "")
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=SCREEN)
             _open_slides(page, lab, lesson.name)
@@ -576,7 +576,7 @@ def test_a_hung_cell_in_the_slides_stops_at_esc_i_i(lab):
             "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
                            "language": "python"}, "rise": slides.RISE}}))
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=SCREEN)
             _open_slides(page, lab, "hang.ipynb")
@@ -645,7 +645,7 @@ def test_the_speaker_view_shows_the_notes_of_the_sub_slide_on_screen(lab):
                            "language": "python"}, "rise": slides.RISE}}))
     notes = ".speaker-controls-notes"
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=SCREEN)
             _open_slides(page, lab, "notes.ipynb")
