@@ -145,7 +145,7 @@ def test_a_cells_seconds_and_its_first_output_are_read_off_the_kernels_clock():
     assert conftest.cell_timing(as_text) == (5.5, 1.0)
 
 
-def _watched(conftest, messages):
+def _watched(conftest, messages, cell_num=1):
     """Run a stand-in for nbval's cell (it reads messages until the cell's idle status) under
     the course's watch: what it recorded, or the error it raised."""
 
@@ -159,7 +159,7 @@ def _watched(conftest, messages):
 
     class Cell:
         def __init__(self):
-            self.parent, self.user_properties = Notebook(), []
+            self.parent, self.user_properties, self.cell_num = Notebook(), [], cell_num
 
         def raise_cell_error(self, message):
             raise AssertionError(message)
@@ -192,16 +192,19 @@ def test_a_cell_over_5_s_must_show_something_within_2_s():
         "waiting).")
     assert _watched(conftest, _cell_run([("stream", 2.25)], ends=9)).startswith(
         "this cell ran 9.0 s and showed nothing for its first 2.2 s")
+    # a notebook's first code cell, its imports, is neither checked nor counted
+    assert _watched(conftest, _cell_run([("stream", 2.6)], ends=5.1), cell_num=0) == []
 
 
 def test_each_tier_says_what_its_cells_showed():
     conftest = _root_conftest()
     assert conftest.silence_summary({"a::Cell 0": (1.0, None), "a::Cell 1": (3.0, 0.1)}) == (
-        "2 cells run, the longest 3 s; 0 over 5 s")
+        "2 cells run (each notebook's imports aside), the longest 3 s; 0 over 5 s")
     assert conftest.silence_summary({"a::Cell 0": (12.0, 1.5), "a::Cell 1": (6.0, 1.0),
                                      "a::Cell 2": (2.0, None)}) == (
-        "3 cells run, the longest 12 s; 2 over 5 s, each of which showed something within 2 s: "
-        "True (the latest first output after 1.5 s)")
+        "3 cells run (each notebook's imports aside), the longest 12 s; 2 over 5 s, each of which "
+        "showed something within 2 s: True (the latest first output after 1.5 s)")
     assert conftest.silence_summary({"a::Cell 0": (12.0, None), "a::Cell 1": (6.0, 1.0)}) == (
-        "2 cells run, the longest 12 s; 2 over 5 s, each of which showed something within 2 s: "
-        "False (the latest first output never came; silent: a::Cell 0)")
+        "2 cells run (each notebook's imports aside), the longest 12 s; 2 over 5 s, each of which "
+        "showed something within 2 s: False (the latest first output never came; silent: "
+        "a::Cell 0)")
