@@ -114,8 +114,8 @@ slides: setup browser
 # 25 % of the tier; with three, 7 %), which take the tests one by one and the notebook whole
 # (--tests-one-by-one; conftest.py): the notebook and the two longest tests start at once, the
 # others fill in behind (file by file, one file of tests of 4 minutes was the tier's tail, and
-# the cores were idle 14 % of the tier). Where no cluster can start, its tests are skipped (the notebook's
-# first cell fails, saying why); REQUIRE_CLUSTER=1 (CI) makes that an error.
+# the cores were idle 14 % of the tier). Where no cluster can start, its tests are skipped (the
+# notebook's first cell fails, saying why); REQUIRE_CLUSTER=1 (CI) makes that an error.
 cluster-tests: WORKERS = 3
 cluster-tests: setup
 	$(PY) -m helpers.on_a_cluster.cluster install
@@ -130,9 +130,9 @@ cluster-tests: setup
 # finds, with the kernels of the capability chosen, and fails ("pack_vnni2 is only supported when
 # avx512 is supported").
 other-cpu: setup
-	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 $(PYTEST) -m "notebook or (numerical and not once)" \
-		-k "not checker" $(NBVAL) --nbval-skip-timings --cases-share $(SHARE) \
-		--tier other-cpu notebooks tests
+	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(PYTEST) -m "notebook or (numerical and not once)" -k "not checker" $(NBVAL) \
+		--nbval-skip-timings --cases-share $(SHARE) --tier other-cpu notebooks tests
 
 # On a machine with CUDA (skipped elsewhere): every strategy on the GPU with NCCL, autocast and
 # GradScaler on CUDA, the bytes held read from CUDA's allocator, gloo on CUDA tensors
@@ -169,7 +169,8 @@ system-packages: setup browser
 # launcher's tests wait on their ranks and timeouts more than they compute). Each target's
 # output is printed as it ends.
 CI_TIERS := test soak other-cpu cluster-tests long slides test-python
-BESIDE := soak:system-packages other-cpu:book-env $(if $(OTHER_PYTHON),other-cpu:other-python long:test-python)
+BESIDE := soak:system-packages other-cpu:book-env \
+	$(if $(OTHER_PYTHON),other-cpu:other-python long:test-python)
 # Each tier's wall-clock time is printed as it ends, and all of them at the end: the budgets'
 # measure (README), never asserted in a test.
 ci:
