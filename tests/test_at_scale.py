@@ -42,11 +42,28 @@ def parameters(shape=SHAPE):
 @pytest.mark.parametrize("plan", [Plan(dp=4, **SMALL), Plan(dp=4, recompute="full", **SMALL),
                                   Plan(dp=4, recompute="op", **SMALL),
                                   Plan(dp=2, replicate=2, **SMALL)], ids=str)
-def test_fake_ranks_account_for_a_float32_step_exactly_as_real_ranks(plan):
+def test_fake_ranks_account_for_a_float32_step_as_real_ranks(plan):
+    """Every rank's calls, bytes sent and collectives equal the fake step's, and its peak equals the
+    fake step's kind by kind, or, as the notebook's trust cell allows, is higher in total by at most
+    one unit's float32 gradients; one rank at least equals it exactly. Seen once, in the other-CPU
+    tier beside two installs (2026-12-01): rank 1's peak fell at another moment of the step than
+    rank 0's (Activation 10,803,224 bytes against 10,016,792, Temp 4,328,448 against 4,457,472),
+    which 16 runs beside busy loops did not repeat (6 beside four, 10 under
+    ATEN_CPU_CAPABILITY=default beside six, two at a time). The likely cause is the one the trust
+    cell allows for: a real rank holds a reduce-scatter's buffers until the collective ends, and
+    gloo's thread lets go of them only after marking it done (ProcessGroupGloo::runLoop), so a
+    loaded rank may go on while they are still held."""
     real, fake = real_and_fake(plan)
-    # even shards: every rank alike (where not, which measure differs, and how, on which rank)
-    assert [_differences(real[0], rank) for rank in real] == [{}] * len(real)
-    assert _differences(real[0], fake) == {}
+    _, total, layer = parameters()
+    largest = max(layer, total - SHAPE.layers * layer)  # a block, or the root
+    for index, rank in enumerate(real):  # where they differ: which measure, how, on which rank
+        differences = _differences(fake, rank)
+        peak = differences.pop("peak", None)
+        assert differences == {}, (index, differences)
+        gap = rank["peak"]["Total"] - fake["peak"]["Total"]
+        assert peak is None or 0 < gap <= 4 * largest, (index, peak)
+    # a fake step that missed some tensors would miss them on every rank: one at least is exact
+    assert {} in [_differences(fake, rank) for rank in real]
 
 
 def _differences(expected: dict, found: dict) -> dict:
