@@ -47,7 +47,10 @@
   runs one case in n where the tier's share is over 1. A case marked `turn(k)` runs in turn k
   instead of its index's: the soak's heaviest cases, of a minute or so, are given turns by their
   measured seconds, so that each run of the soak tier takes about a third of them, not two at
-  once.
+  once. Under the other-CPU tier, its notebooks take turns as well, dealt by their committed
+  seconds (helpers.lessons.turns; `notebook_turns`): make test has just run every one natively,
+  and each runs on the other CPU's kernels within N commits (that tier's notebooks were about
+  half of its 4:37 on 2026-12-01). The tier prints which it took.
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (tagged
   `nbval-ignore-output`, with `"nbval_ignore_output_because": "timings"` in its metadata) is not
   run when no later cell of its notebook needs a name it assigns. The other-CPU tier uses it:
@@ -247,7 +250,30 @@ def pytest_ignore_collect(collection_path, config):
         tiers = lessons.tiers_of(collection_path)
         if tiers is not None and tier not in tiers:
             return True
+        turn = notebook_turns(config).get(collection_path)
+        if turn is not None and turn != _commit_number() % config.getoption("--cases-share"):
+            return True
     return None  # False would overrule pytest's own ignores (--ignore, __pycache__)
+
+
+def notebook_turns(config) -> dict:
+    """Under the other-CPU tier with --cases-share N: {notebook path: its turn} (helpers.lessons.
+    turns), of which a run collects the turn its commit names; elsewhere {}."""
+    share = config.getoption("--cases-share")
+    if config.getoption("--tier") != "other-cpu" or share <= 1:
+        return {}
+    return _dealt(share)
+
+
+@functools.cache
+def _dealt(share: int) -> dict:
+    import pathlib
+
+    from helpers import lessons
+
+    folder = pathlib.Path(__file__).resolve().parent / "notebooks"
+    return lessons.turns([path for path in sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+                          if "other-cpu" in lessons.tiers_of(path)], share)
 
 
 SECONDS_BY_FILE: dict = {}  # under --tier: a file's seconds, setup, call and teardown summed
@@ -268,6 +294,12 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("-", f"each lesson's share of tier {config.getoption('--tier')}")
         for line in lesson_shares(SECONDS_BY_FILE):
             terminalreporter.write_line(line)
+    turns = notebook_turns(config)
+    if turns:
+        share, turn = config.getoption("--cases-share"), _commit_number() % config.getoption(
+            "--cases-share")
+        terminalreporter.write_sep("-", "the notebooks' turns")
+        terminalreporter.write_line(turns_summary(turns, share, turn))
     if LIVE:
         terminalreporter.write_sep("-", "no silent wait")
         terminalreporter.write_line(silence_summary(LIVE))
@@ -288,6 +320,16 @@ def silence_summary(live: dict) -> str:
             f"{not silent} (the latest first output "
             f"{'never came' if latest is None else f'after {latest:.1f} s'}"
             f"{'; silent: ' + ', '.join(silent) if silent else ''})")
+
+
+def turns_summary(turns: dict, share: int, turn: int) -> str:
+    """Which notebooks this run took, and which wait for the next commits' runs, in one line."""
+    def lessons(in_turn):
+        return ", ".join(sorted(path.name[:2] for path, dealt in turns.items()
+                                if (dealt == turn) == in_turn)) or "none"
+
+    return (f"turn {turn} of {share}, by the commit: lessons {lessons(True)} (make test ran "
+            f"every one natively); the other turns, in the next commits' runs: {lessons(False)}")
 
 
 def lesson_shares(seconds_by_file: dict) -> list:
@@ -374,6 +416,7 @@ def cases_kept(nodeids: list, share: int, number: int, turns: dict | None = None
     return kept
 
 
+@functools.cache
 def _commit_number() -> int:
     """The checked-out commit as a number (0 outside a git checkout): every xdist worker, and
     every run of the same commit, chooses the same cases."""

@@ -31,6 +31,10 @@ What each tier runs, before its markers (`-m`) choose among the tests:
     long        TIER "long"                           none
     cluster     TIER "cluster"                        the cluster lessons'
     other-cpu   TIER "test", not ROUNDING_FREE        all but the cluster lessons'
+
+Where the other-CPU tier runs a share of its cases (`--cases-share N`), its notebooks take turns
+too (`turns`): make test has run each of them natively in the same run, and the other CPU's
+rounding is checked for every one within N commits.
 """
 
 from __future__ import annotations
@@ -162,3 +166,17 @@ def cell_seconds(cell) -> float:
         return 0.0
     return (datetime.fromisoformat(times["shell.execute_reply"])
             - datetime.fromisoformat(times["iopub.execute_input"])).total_seconds()
+
+
+def turns(paths, share: int) -> dict:
+    """{notebook: its turn, 0 to share - 1}: the notebooks dealt out so that each turn's committed
+    seconds are near a share of the whole (the longest first, each to the turn with the fewest
+    seconds so far; ties to the lower turn, and equal seconds by path, so that every worker deals
+    alike). A run of the tier takes the turn its commit's number modulo `share` names."""
+    seconds = {path: notebook_seconds(path) for path in paths}
+    load, dealt = [0.0] * share, {}
+    for path in sorted(seconds, key=lambda path: (-seconds[path], str(path))):
+        turn = load.index(min(load))
+        dealt[path] = turn
+        load[turn] += seconds[path]
+    return dealt

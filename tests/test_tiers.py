@@ -130,14 +130,13 @@ def _root_conftest():
 
 
 class _Options:
-    """A pytest config that has only --tier."""
+    """A pytest config that has only --tier and --cases-share."""
 
-    def __init__(self, tier):
-        self.tier = tier
+    def __init__(self, tier, share=1):
+        self.options = {"--tier": tier, "--cases-share": share}
 
     def getoption(self, name):
-        assert name == "--tier"
-        return self.tier
+        return self.options[name]
 
 
 @pytest.mark.parametrize(("tier", "path", "ignored"), [
@@ -154,6 +153,45 @@ class _Options:
 def test_a_tier_does_not_collect_another_tiers_files(tier, path, ignored):
     conftest = _root_conftest()
     assert conftest.pytest_ignore_collect(ROOT / path, _Options(tier)) is ignored
+
+
+def test_notebooks_are_dealt_into_turns_of_about_equal_committed_seconds(tmp_path):
+    """The longest first, each to the turn with the fewest seconds so far (ties: the lower
+    turn): 50 | 30 + 15 + 5 | 25 + 20."""
+    seconds = {"03_collectives": 25.0, "05_point_to_point": 5.0, "07_zero_and_fsdp": 50.0,
+               "08_tensor_parallelism": 15.0, "09_pipeline_parallelism": 30.0,
+               "11_fitting_a_model": 20.0}
+    paths = {stem: _notebook(tmp_path, stem, [took]) for stem, took in seconds.items()}
+    dealt = lessons.turns(list(paths.values()), 3)
+    assert {stem: dealt[path] for stem, path in paths.items()} == {
+        "07_zero_and_fsdp": 0, "09_pipeline_parallelism": 1, "03_collectives": 2,
+        "11_fitting_a_model": 2, "08_tensor_parallelism": 1, "05_point_to_point": 1}
+    assert lessons.turns(list(paths.values()), 1) == dict.fromkeys(paths.values(), 0)
+
+
+def test_the_other_cpu_tier_takes_one_turn_of_its_notebooks_and_every_one_in_three_commits(
+        monkeypatch):
+    """Of make test's notebooks that rounding can change (not lessons 01, 02, 04, 12, 13), each
+    commit's run of the other-CPU tier collects one turn: together the three turns are all of them,
+    each once. Without a share, or in another tier, every notebook of the tier is collected."""
+    conftest = _root_conftest()
+    others = {"03", "05", "06", "07", "08", "09", "10", "11"}
+    taken = []
+    for number in (30, 31, 32):
+        monkeypatch.setattr(conftest, "_commit_number", lambda number=number: number)
+        taken.append({path.name[:2] for path in LESSON_NOTEBOOKS if conftest.pytest_ignore_collect(
+            path, _Options("other-cpu", 3)) is None})
+    assert sorted(name for turn in taken for name in turn) == sorted(others)
+    assert all(turn for turn in taken)
+    for tier, expected in (("other-cpu", others), ("test", others | {"01", "02", "04", "12",
+                                                                     "13"})):
+        assert {path.name[:2] for path in LESSON_NOTEBOOKS if conftest.pytest_ignore_collect(
+            path, _Options(tier, 1 if tier == "other-cpu" else 3)) is None} == expected
+    assert conftest.turns_summary(
+        {pathlib.Path("notebooks/03_x.ipynb"): 1, pathlib.Path("notebooks/11_y.ipynb"): 0,
+         pathlib.Path("notebooks/05_z.ipynb"): 1}, 3, 1) == (
+        "turn 1 of 3, by the commit: lessons 03, 05 (make test ran every one natively); the "
+        "other turns, in the next commits' runs: 11")
 
 
 def test_a_tiers_items_are_sorted_by_file_slow_ones_first_the_tests_marked_to_start_first_first(
