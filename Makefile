@@ -124,7 +124,8 @@ cluster-tests: setup
 # Another CPU's rounding: PyTorch's kernels without vector instructions sum in other orders. The
 # tests marked numerical (not those marked once, nor the checkers': messages) and make test's
 # notebooks that rounding can change (not ROUNDING_FREE); the timing cells nbval ignores are not
-# run again (conftest.py). Of the soaks among them, a third of the cases, as in the soak tier.
+# run again (conftest.py). Of the soaks among them, a third of the cases, as in the soak tier; of
+# the notebooks, a third, taking turns by commit (each within three; 4:37 became 2:31 here).
 # oneDNN too is held to AVX2 (ONEDNN_MAX_CPU_ISA), as on a laptop: on a CPU with AMX (seen on
 # 2026-12-01), PyTorch 2.13's bfloat16 flash attention packs its matrices for the AMX that oneDNN
 # finds, with the kernels of the capability chosen, and fails ("pack_vnni2 is only supported when
