@@ -4,17 +4,84 @@ shown while the worker pool warms up, and the heartbeat of a cell that runs long
 `import helpers` in a kernel).
 """
 
+import ast
+import functools
 import inspect
 import sys
+import textwrap
 import threading
 import time
 
 from IPython.display import HTML, Code, display
 
+# The lines of a listing that a 1280 x 720 slide holds whole, at notebooks/rise.css's 16 px code
+# (23 px a line; the sub-slide's 684 px less its cell's own line and margins). A longer one is
+# shown in parts (show_code's `part`).
+LISTING_LINES = 26
 
-def show_code(function):
-    """The source of a function from `helpers`, highlighted (text/plain is the source itself)."""
-    return Code(inspect.getsource(function), language="python")
+
+def show_code(function, part: int | None = None):
+    """The source of a function or class from `helpers`, highlighted (text/plain is the source
+    itself). One longer than LISTING_LINES is shown in parts, a cell each, so that each fits a
+    slide: `show_code(f, part=1)`, then `part=2`, ... (`listing_parts` cuts it between
+    statements); a part says which it is where it continues, and which follows."""
+    source = inspect.getsource(function)
+    if part is None:
+        return Code(source, language="python")
+    pieces = listing_parts(source)
+    name = function.__qualname__
+    if not 1 <= part <= len(pieces):
+        raise ValueError(f"the listing of {name} has {len(pieces)} part(s): part is 1 to "
+                         f"{len(pieces)}, not {part}")
+    text = pieces[part - 1]
+    if part > 1:
+        text = f"# {name}, part {part} of {len(pieces)}\n" + text
+    if part < len(pieces):
+        text += f"# ... part {part + 1} of {len(pieces)} follows\n"
+    return Code(text, language="python")
+
+
+def listing_parts(source: str, limit: int = LISTING_LINES) -> list:
+    """`source` cut into the fewest parts of at most `limit` lines each, their line that says which
+    part continues or follows included, as even as such cuts allow. A cut falls only where a
+    statement starts (at any depth), above the comments right over it, so that no expression,
+    string or comment block is broken. A source that fits is one part; one whose statements
+    cannot be cut finely enough is cut where it can be."""
+    lines = source.splitlines(keepends=True)
+    if len(lines) <= limit:
+        return [source]
+    starts = {node.lineno - 1 for node in ast.walk(ast.parse(textwrap.dedent(source)))
+              if isinstance(node, ast.stmt)}
+    cuts = set()
+    for start in starts:
+        while start > 0 and lines[start - 1].lstrip().startswith("#"):
+            start -= 1  # a comment goes with the statement under it
+        if 0 < start < len(lines):
+            cuts.add(start)
+    bounds = [0, *sorted(cuts), len(lines)]
+
+    def size(a: int, b: int, number: int, parts: int) -> int:  # with its line of which part
+        return bounds[b] - bounds[a] + (number > 1) + (number < parts)
+
+    @functools.cache
+    def best(first: int, count: int, parts: int) -> tuple:
+        """(the longest part, the cuts) of bounds[first:] in `count` parts, the first of which
+        is part number `parts - count + 1` of `parts`."""
+        number = parts - count + 1
+        if count == 1:
+            return size(first, len(bounds) - 1, number, parts), ()
+        found = (float("inf"), ())
+        for end in range(first + 1, len(bounds) - count + 1):
+            rest, cuts_after = best(end, count - 1, parts)
+            found = min(found, (max(size(first, end, number, parts), rest), (end, *cuts_after)))
+        return found
+
+    for parts in range(2, len(bounds)):
+        longest, chosen = best(0, parts, parts)
+        if longest <= limit or parts == len(bounds) - 1:
+            break
+    edges = [0, *chosen, len(bounds) - 1]
+    return ["".join(lines[bounds[a]:bounds[b]]) for a, b in zip(edges, edges[1:])]
 
 
 class ProgressBar:

@@ -12,7 +12,8 @@ nothing, so the slides cannot drift from the lessons.
 Heights are estimated from the cells' contents (a line of prose, of code, of output; a figure's
 pixels), for a 1280 x 720 screen at notebooks/rise.css's text sizes: an estimate, which the
 slides tier (`make slides`, tests/test_browser.py) measures in a real browser for every lesson.
-A code cell is never cut, so a long listing or a tall figure can still pass the screen: the
+A code cell is never cut, so a tall figure with its numbers can still pass the screen (a listing
+longer than a slide the notebook shows in parts itself: helpers.notebook.show_code): the
 notebook's RISE settings (`RISE`, in its metadata) make such a sub-slide scroll, so that its
 bottom is reached with the mouse wheel (RISE's default, `scroll: false`, would hide it).
 """

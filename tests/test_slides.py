@@ -2,11 +2,14 @@
 section heading starts a slide, each sub-slide fits the screen by the tool's estimate, and none
 shows more than 60 words of prose (the rest of the explanation is in speaker notes)."""
 
+import ast
 import base64
 import copy
+import inspect
 import io
 import json
 import pathlib
+import re
 
 import matplotlib
 
@@ -15,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from helpers import slides
+from helpers import notebook, slides
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob(
     "[0-9][0-9]_*.ipynb"))
@@ -131,3 +134,63 @@ def test_no_cell_draws_two_figures(path):
     for cell in json.loads(path.read_text())["cells"]:
         figures = sum("image/png" in output.get("data", {}) for output in cell.get("outputs", []))
         assert figures <= 1, "".join(cell["source"])[:80]
+
+
+def test_a_listing_longer_than_a_slide_is_cut_between_statements_into_even_parts():
+    """61 lines, a comment over each statement: cut only above a comment, into the fewest parts
+    that hold 26 lines each with their line that says which part continues or follows (two hold
+    50 at most: three), as even as those cuts allow (the longest, 23 lines, can be no shorter:
+    a part of 22 would leave 20 statements of 3 lines with room for 19)."""
+    body = [line for step in range(20) for line in (f"    # step {step}", f"    x{step} = f(",
+                                                     f"        {step})")]
+    source = "def long():\n" + "\n".join(body) + "\n"
+    parts = notebook.listing_parts(source, limit=26)
+    assert "".join(parts) == source and len(parts) == 3
+    shown = [len(part.splitlines()) + (number > 1) + (number < 3)
+             for number, part in enumerate(parts, 1)]
+    assert max(shown) == 23, shown
+    assert all(part.startswith("    # step ") for part in parts[1:])
+    assert notebook.listing_parts("def short():\n    pass\n") == ["def short():\n    pass\n"]
+
+
+def test_a_statement_longer_than_a_slide_is_never_cut():
+    """A dict of 40 lines is one statement: the parts fall around it, each still whole Python."""
+    source = ("def table():\n    x = {\n" + "".join(f"        {n}: {n},\n" for n in range(40))
+              + "    }\n    return x\n")
+    parts = notebook.listing_parts(source, limit=26)
+    assert "".join(parts) == source
+    assert any(part.startswith("    x = {") and part.endswith("    }\n") for part in parts)
+
+
+def test_show_code_says_which_part_continues_and_which_follows():
+    from helpers.checkpoints_and_failures import resume
+
+    first, second = (notebook.show_code(resume.async_save_worker, part=part).data
+                     for part in (1, 2))
+    assert first.startswith("def async_save_worker(")
+    assert first.endswith("# ... part 2 of 2 follows\n")
+    assert second.startswith("# async_save_worker, part 2 of 2\n    ")
+    with pytest.raises(ValueError, match="async_save_worker has 2 part"):
+        notebook.show_code(resume.async_save_worker, part=3)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_a_listing_longer_than_a_slide_is_shown_in_its_parts_one_a_cell_in_order(path):
+    """No listing a lesson shows passes the screen: one over LISTING_LINES is called with
+    part=1, 2, ... in code cells one after the other, every part once."""
+    cells = ["".join(cell["source"]) for cell in json.loads(path.read_text())["cells"]
+             if cell["cell_type"] == "code"]
+    namespace = {}
+    for cell in cells:
+        for node in ast.parse(cell).body:  # the notebook's own imports
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                exec(ast.unparse(node), namespace)
+    calls = [(index, name, int(part) if part else None) for index, cell in enumerate(cells)
+             for name, part in re.findall(r"show_code\(([\w.]+)(?:, part=(\d+))?\)", cell)]
+    wrong = []
+    for index, name, part in calls:
+        count = len(notebook.listing_parts(inspect.getsource(eval(name, namespace))))
+        expected = [(index + k - (part or 1), name, k) for k in range(1, count + 1)]
+        if count > 1 and not set(expected) <= set(calls) or count == 1 and part is not None:
+            wrong.append((index, name, part, f"{count} part(s)"))
+    assert wrong == []

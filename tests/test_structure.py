@@ -267,7 +267,7 @@ def shown_code(path: pathlib.Path) -> dict:
         for node in ast.parse(cell).body:  # top-level imports, on one line or several
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 exec(ast.unparse(node), namespace)
-    shown = re.findall(r"show_code\(([\w.]+)\)", "\n".join(cells))
+    shown = re.findall(r"show_code\(([\w.]+)[,)]", "\n".join(cells))
     return {name: inspect.getsource(eval(name, namespace)) for name in shown}
 
 
