@@ -376,16 +376,37 @@ def pytest_collection_modifyitems(config, items):
     if not config.getoption("--nbval-skip-timings"):
         return
     skip = pytest.mark.skip(reason="a timing nbval ignores: compared on no pass, run on the first")
-    cells = [(item, _source(item)) for item in items]
-    for index, (item, source) in enumerate(cells):
-        if not source or ignored_because(item.cell) != "timings":
+    notebooks = {}
+    for item in items:
+        if _source(item) is not None:
+            notebooks.setdefault(item.parent, []).append(item)
+    for cells in notebooks.values():
+        for index in timings_to_skip([(_source(item), ignored_because(item.cell) == "timings")
+                                      for item in cells]):
+            cells[index].add_marker(skip)
+
+
+def timings_to_skip(cells: list) -> set:
+    """Of a notebook's code cells, (source, whether its output is a timing nbval ignores), the
+    indices of the timings --nbval-skip-timings leaves out: from the last cell back, each whose
+    names no later cell that runs needs. A timing that only a skipped timing needs (the numbers
+    measured, then a cell of their own that draws them) is skipped too; after a cell that is not
+    plain Python, no earlier one is."""
+    skipped, needed, unknown = set(), set(), False
+    for index in reversed(range(len(cells))):
+        source, timing = cells[index]
+        if not source:
             continue
-        later = [other for other_item, other in cells[index + 1:]
-                 if other and other_item.parent is item.parent]
-        assigned, used = _names(source, ast.Store), [_needs(other) for other in later]
-        if assigned is not None and None not in used and not any(assigned & names
-                                                                  for names in used):
-            item.add_marker(skip)
+        assigned = _names(source, ast.Store)
+        if timing and not unknown and assigned is not None and not assigned & needed:
+            skipped.add(index)
+            continue
+        needs = _needs(source)
+        if needs is None:
+            unknown = True
+        else:
+            needed |= needs
+    return skipped
 
 
 def ignored_because(cell) -> str | None:

@@ -115,6 +115,21 @@ def test_a_timing_is_known_by_its_reason():
     assert conftest.ignored_because(nbformat.v4.new_code_cell("x")) is None
 
 
+def test_a_timing_is_skipped_where_no_cell_that_runs_needs_its_names():
+    """Lesson 09's bubble: measured and printed in one cell, drawn in the next, both timings; the
+    next lesson cell needs neither. Both are skipped; a later cell that needs the measurement
+    keeps the measuring cell, not the drawing; a cell that is not Python keeps every timing
+    before it; a timing after it is judged by what follows it alone."""
+    skip = _root_conftest().timings_to_skip
+    measure = ("bubbles = measure()\nprint(bubbles)", True)
+    draw = ("plots.plot_bubbles(bubbles)\nplt.show()", True)
+    assert skip([("import plots", False), measure, draw, ("x = 1", False)]) == {1, 2}
+    assert skip([measure, draw, ("print(max(bubbles))", False)]) == {1}
+    assert skip([measure, draw, ("%timeit f()", False)]) == set()
+    assert skip([("%timeit f()", False), measure, draw]) == {1, 2}
+    assert skip([measure, ("", False), draw]) == {0, 2}
+
+
 START = datetime(2026, 12, 1, tzinfo=UTC)
 
 
