@@ -5,8 +5,8 @@ shown while the worker pool warms up, and the heartbeat of a cell that runs long
 """
 
 import ast
-import functools
 import inspect
+import itertools
 import sys
 import textwrap
 import threading
@@ -43,45 +43,57 @@ def show_code(function, part: int | None = None):
 
 def listing_parts(source: str, limit: int = LISTING_LINES) -> list:
     """`source` cut into the fewest parts of at most `limit` lines each, their line that says which
-    part continues or follows included, as even as such cuts allow. A cut falls only where a
-    statement starts (at any depth), above the comments right over it, so that no expression,
-    string or comment block is broken. A source that fits is one part; one whose statements
-    cannot be cut finely enough is cut where it can be."""
+    part continues or follows included. A cut falls only where a statement starts that is not
+    the first of its block, above the comments right over it: no expression, string or comment
+    block is broken, and no part ends on a line that opens a block (`if ...:`, `else:`). Of the
+    cuts that make the fewest parts, the shallowest win (between the function's own statements
+    rather than inside a loop), then those between paragraphs (after a blank line, or above a
+    comment), then the evenest. A source that fits is one part; one that no such cuts make fit
+    is cut wherever they can."""
     lines = source.splitlines(keepends=True)
     if len(lines) <= limit:
         return [source]
-    starts = {node.lineno - 1 for node in ast.walk(ast.parse(textwrap.dedent(source)))
-              if isinstance(node, ast.stmt)}
-    cuts = set()
-    for start in starts:
-        while start > 0 and lines[start - 1].lstrip().startswith("#"):
-            start -= 1  # a comment goes with the statement under it
-        if 0 < start < len(lines):
-            cuts.add(start)
-    bounds = [0, *sorted(cuts), len(lines)]
+    depth_at = {}  # a line where a cut may fall: how deeply its statement is nested
 
-    def size(a: int, b: int, number: int, parts: int) -> int:  # with its line of which part
-        return bounds[b] - bounds[a] + (number > 1) + (number < parts)
+    def visit(body: list, depth: int) -> None:
+        for position, node in enumerate(body):
+            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            start -= 1
+            while start > 0 and lines[start - 1].lstrip().startswith("#"):
+                start -= 1  # a comment goes with the statement under it
+            if position > 0 and start > 0:
+                depth_at.setdefault(start, depth)
+            for inner in (getattr(node, field, None) for field in ("body", "orelse", "finalbody")):
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    visit(inner, depth + 1)
+            for inner in [*getattr(node, "handlers", []), *getattr(node, "cases", [])]:
+                visit(inner.body, depth + 1)
 
-    @functools.cache
-    def best(first: int, count: int, parts: int) -> tuple:
-        """(the longest part, the cuts) of bounds[first:] in `count` parts, the first of which
-        is part number `parts - count + 1` of `parts`."""
-        number = parts - count + 1
-        if count == 1:
-            return size(first, len(bounds) - 1, number, parts), ()
-        found = (float("inf"), ())
-        for end in range(first + 1, len(bounds) - count + 1):
-            rest, cuts_after = best(end, count - 1, parts)
-            found = min(found, (max(size(first, end, number, parts), rest), (end, *cuts_after)))
-        return found
+    for top in ast.parse(textwrap.dedent(source)).body:  # the def or the class shown
+        visit(getattr(top, "body", []), 0)
+    cuts = sorted(depth_at)
 
-    for parts in range(2, len(bounds)):
-        longest, chosen = best(0, parts, parts)
-        if longest <= limit or parts == len(bounds) - 1:
+    def paragraph(cut: int) -> bool:  # after a blank line, or above a comment
+        return not lines[cut - 1].strip() or lines[cut].lstrip().startswith("#")
+
+    def shown(edges: tuple) -> list:  # each part's lines, its line of which part included
+        bounds = [0, *edges, len(lines)]
+        return [b - a + (number > 0) + (number < len(edges))
+                for number, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+    def judged(edges: tuple) -> tuple:  # shallowest, between paragraphs, evenest
+        return (max(depth_at[e] for e in edges), sum(not paragraph(e) for e in edges),
+                sum(depth_at[e] for e in edges), max(shown(edges)))
+
+    chosen = tuple(cuts)  # where nothing fits: every cut
+    for parts in range(2, min(len(cuts) + 1, 4) + 1):  # 4 parts hold about 100 lines
+        fitting = [edges for edges in itertools.combinations(cuts, parts - 1)
+                   if max(shown(edges)) <= limit]
+        if fitting:
+            chosen = min(fitting, key=judged)
             break
-    edges = [0, *chosen, len(bounds) - 1]
-    return ["".join(lines[bounds[a]:bounds[b]]) for a, b in zip(edges, edges[1:])]
+    bounds = [0, *chosen, len(lines)]
+    return ["".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 class ProgressBar:

@@ -154,12 +154,28 @@ def test_a_listing_longer_than_a_slide_is_cut_between_statements_into_even_parts
 
 
 def test_a_statement_longer_than_a_slide_is_never_cut():
-    """A dict of 40 lines is one statement: the parts fall around it, each still whole Python."""
+    """A dict of 40 lines is one statement, the first of its function: no cut may fall inside
+    it, nor between the function's line and it, so the one cut left is below it."""
     source = ("def table():\n    x = {\n" + "".join(f"        {n}: {n},\n" for n in range(40))
               + "    }\n    return x\n")
     parts = notebook.listing_parts(source, limit=26)
-    assert "".join(parts) == source
-    assert any(part.startswith("    x = {") and part.endswith("    }\n") for part in parts)
+    assert parts == [source.removesuffix("    return x\n"), "    return x\n"]
+
+
+def test_a_cut_falls_between_the_functions_own_statements_and_never_opens_a_block():
+    """32 lines: a cut inside the loop would make the evenest parts (16 and 16), but the cut
+    before the loop makes two that fit (15 and 19 with their lines of which part), and is
+    taken; no part ends on `for ...:`, `if ...:` or `else:`."""
+    body = (["    total = 0"] + [f"    a{i} = {i}" for i in range(12)]
+            + ["    for step in range(3):"] + [f"        b{i} = {i}" for i in range(12)]
+            + ["    if total:", "        c = 1", "    else:", "        c = 2", "    return c"])
+    source = "def f():\n" + "\n".join(body) + "\n"
+    parts = notebook.listing_parts(source, limit=26)
+    assert "".join(parts) == source and len(parts) == 2
+    assert parts[1].startswith("    for step in range(3):\n")
+    for limit in range(14, 27):  # wherever the cuts fall
+        assert not any(part.rstrip().endswith(":")
+                       for part in notebook.listing_parts(source, limit=limit)[:-1]), limit
 
 
 def test_show_code_says_which_part_continues_and_which_follows():
