@@ -47,9 +47,11 @@ def listing_parts(source: str, limit: int = LISTING_LINES) -> list:
     the first of its block, above the comments right over it: no expression, string or comment
     block is broken, and no part ends on a line that opens a block (`if ...:`, `else:`). Of the
     cuts that make the fewest parts, the shallowest win (between the function's own statements
-    rather than inside a loop), then those between paragraphs (after a blank line, or above a
-    comment), then the evenest. A source that fits is one part; one that no such cuts make fit
-    is cut wherever they can."""
+    rather than inside a loop), then those that leave the first part more than its signature and
+    docstring, then those between paragraphs (after a blank line, or above a comment), then the
+    evenest; where the fewest parts need a cut two levels deep, one part more is taken if it cuts
+    shallower. A source that fits is one part; one that no such cuts make fit is cut wherever
+    they can."""
     lines = source.splitlines(keepends=True)
     if len(lines) <= limit:
         return [source]
@@ -69,8 +71,13 @@ def listing_parts(source: str, limit: int = LISTING_LINES) -> list:
             for inner in [*getattr(node, "handlers", []), *getattr(node, "cases", [])]:
                 visit(inner.body, depth + 1)
 
+    bare = None  # the cut that would leave the first part its signature and docstring alone
     for top in ast.parse(textwrap.dedent(source)).body:  # the def or the class shown
-        visit(getattr(top, "body", []), 0)
+        body = getattr(top, "body", [])
+        visit(body, 0)
+        if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant):
+            bare = min(cut for cut in depth_at if cut >= body[0].end_lineno)
     cuts = sorted(depth_at)
 
     def paragraph(cut: int) -> bool:  # after a blank line, or above a comment
@@ -81,16 +88,22 @@ def listing_parts(source: str, limit: int = LISTING_LINES) -> list:
         return [b - a + (number > 0) + (number < len(edges))
                 for number, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
-    def judged(edges: tuple) -> tuple:  # shallowest, between paragraphs, evenest
-        return (max(depth_at[e] for e in edges), sum(not paragraph(e) for e in edges),
-                sum(depth_at[e] for e in edges), max(shown(edges)))
+    def judged(edges: tuple) -> tuple:  # shallow, not a bare first part, between paragraphs, even
+        return (max(depth_at[e] for e in edges), edges[0] == bare,
+                sum(not paragraph(e) for e in edges), sum(depth_at[e] for e in edges),
+                max(shown(edges)))
 
-    chosen = tuple(cuts)  # where nothing fits: every cut
+    chosen, fewest = tuple(cuts), None  # where nothing fits: every cut
     for parts in range(2, min(len(cuts) + 1, 4) + 1):  # 4 parts hold about 100 lines
         fitting = [edges for edges in itertools.combinations(cuts, parts - 1)
                    if max(shown(edges)) <= limit]
-        if fitting:
+        if fitting and (fewest is None or max(depth_at[e] for e in min(fitting, key=judged))
+                        < max(depth_at[e] for e in chosen)):
             chosen = min(fitting, key=judged)
+        fewest = fewest or (parts if fitting else None)
+        # one part more only where the fewest cut two levels deep (inside a function's loop's
+        # block, or a nested function's body)
+        if fewest is not None and (parts > fewest or max(depth_at[e] for e in chosen) < 2):
             break
     bounds = [0, *chosen, len(lines)]
     return ["".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]

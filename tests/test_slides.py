@@ -178,6 +178,17 @@ def test_a_cut_falls_between_the_functions_own_statements_and_never_opens_a_bloc
                        for part in notebook.listing_parts(source, limit=limit)[:-1]), limit
 
 
+def test_a_first_part_is_more_than_a_signature_and_its_docstring():
+    """A class of 33 lines: cut before its first method, the parts would be the evener (15 and 20
+    lines, with their lines of which part), but the first would hold only the class's line and
+    docstring; the cut before the second (25 and 10) is taken."""
+    method = ("    def {}(self):\n" + "        x = 1\n" * 7 + "        return x\n").format
+    source = ('class Stage:\n    """One.\n' + "    more.\n" * 10 + '    """\n\n'
+              + method("a") + "\n" + method("b"))
+    parts = notebook.listing_parts(source, limit=26)
+    assert "".join(parts) == source and parts[1].startswith("    def b(self):")
+
+
 def test_show_code_says_which_part_continues_and_which_follows():
     from helpers.checkpoints_and_failures import resume
 
