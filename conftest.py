@@ -49,8 +49,8 @@
   measured seconds, so that each run of the soak tier takes about a third of them, not two at
   once. Under the other-CPU tier, its notebooks take turns as well, dealt by their committed
   seconds (helpers.lessons.turns; `notebook_turns`): make test has just run every one natively,
-  and each runs on the other CPU's kernels within N commits (that tier's notebooks were about
-  half of its 4:37 on 2026-12-01). The tier prints which it took.
+  and each runs on the other CPU's kernels within N commits (the tier took 2:00 in a CI run from
+  a fresh clone on 2026-12-01, README). The tier prints which it took.
 - --nbval-skip-timings: a cell whose output nbval ignores because it is a timing (tagged
   `nbval-ignore-output`, with `"nbval_ignore_output_because": "timings"` in its metadata) is not
   run when no later cell of its notebook needs a name it assigns. The other-CPU tier uses it:
