@@ -97,13 +97,12 @@ def listing_parts(source: str, limit: int = LISTING_LINES) -> list:
     for parts in range(2, min(len(cuts) + 1, 4) + 1):  # 4 parts hold about 100 lines
         fitting = [edges for edges in itertools.combinations(cuts, parts - 1)
                    if max(shown(edges)) <= limit]
-        if fitting and (fewest is None or max(depth_at[e] for e in min(fitting, key=judged))
-                        < max(depth_at[e] for e in chosen)):
-            chosen = min(fitting, key=judged)
-        fewest = fewest or (parts if fitting else None)
+        best = min(fitting, key=judged) if fitting else None
+        if best and (fewest is None or judged(best)[0] < judged(chosen)[0]):
+            chosen, fewest = best, fewest or parts
         # one part more only where the fewest cut two levels deep (inside a function's loop's
         # block, or a nested function's body)
-        if fewest is not None and (parts > fewest or max(depth_at[e] for e in chosen) < 2):
+        if fewest is not None and (parts > fewest or judged(chosen)[0] < 2):
             break
     bounds = [0, *chosen, len(lines)]
     return ["".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
