@@ -1,6 +1,7 @@
-"""The drawing toolkit every lesson's pictures share: colours, rank boxes, per-rank timelines, a
-training step's compute against its collectives, and `write_key_figures`, which `make figures`
-runs to write each lesson's key figure to figures/.
+"""The drawing toolkit every lesson's pictures share: the course's text sizes, colours, rank
+boxes, per-rank timelines, a training step's compute against its collectives, the PNG a kernel
+shows of a figure (with the size of its smallest text), and `write_key_figures`, which `make
+figures` runs to write each lesson's key figure to figures/.
 
 Everything here runs in the notebook kernel, on data the ranks returned (workers never plot).
 """
@@ -13,6 +14,20 @@ import sys
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Patch
+from matplotlib.text import Text
+
+# Text a lecture hall can read. A figure is drawn at 100 dpi, where a point is 100/72 px: 11 pt
+# text is 15.3 px on a slide that shows the figure at its own size, over the course's floor of
+# 14 px at 1280 x 720 (docs/presenting.md). Every other size is matplotlib's relative to this one
+# (ticks and legends "medium", 11 pt; a figure's title "large", 13.2 pt) but an axes' title, 12 pt;
+# no drawing sets a smaller one.
+FONT_PT = 11
+STYLE = {"font.size": FONT_PT, "axes.titlesize": 12, "figure.dpi": 100, "savefig.dpi": "figure"}
+plt.rcParams.update(STYLE)
+# Where a kernel shows a figure, its PNG's metadata says how large its smallest text is, in the
+# PNG's own pixels (figure_bundle): the browser tier scales it by how large the slide shows it.
+SMALLEST_TEXT = "smallest_text_px"
+PNG = "image/png"
 
 # One colour per rank, group or series, in this order.
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
@@ -31,6 +46,20 @@ COLLECTIVE_COLORS = {"all_reduce": ("#4C72B0", "#7FA3D6"),
                      "all_gather": ("#DD8452", "#F0B27A")}
 
 
+def legend_outside(fig, handles: list, ncols: int, above: bool = False) -> None:
+    """A legend of the whole figure in rows of `ncols`, above its panels or below them: the figure
+    grows by the legend's rows (0.3 inch each at FONT_PT), and its panels are laid out in the
+    rest (tight_layout). Call it last, once the panels are drawn."""
+    rows = -(-len(handles) // ncols)
+    height, room = fig.get_figheight(), 0.3 * rows + 0.1
+    fig.set_figheight(height + room)
+    fig.legend(handles=handles, frameon=False, ncols=ncols,
+               loc="upper center" if above else "lower center",
+               bbox_to_anchor=(0.5, 1 if above else 0))
+    share = room / (height + room)
+    fig.tight_layout(rect=(0, 0, 1, 1 - share) if above else (0, share, 1, 1))
+
+
 def color(index: int) -> str:
     """The index-th colour of the palette (it wraps around)."""
     return COLORS[index % len(COLORS)]
@@ -42,7 +71,7 @@ def rank_box(ax, x, y, facecolor, label, edge=None, size=1.0):
                                 facecolor=facecolor, alpha=0.85, edgecolor=edge or "white",
                                 linewidth=4 if edge else 1))
     ax.text(x + size / 2, y + size / 2, label, ha="center", va="center", color="white",
-            fontsize=9, fontweight="bold")
+            fontweight="bold")
 
 
 def plot_timelines(runs: dict, label_min_ms: float = 8):
@@ -51,7 +80,7 @@ def plot_timelines(runs: dict, label_min_ms: float = 8):
     `runs` maps a title to a list (one per rank) of event lists. Bars longer than `label_min_ms`
     carry their label; a legend names every kind of bar."""
     fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
-                             figsize=(8, 0.9 * sum(len(t) for t in runs.values()) + 1.4))
+                             figsize=(8, 0.55 * sum(len(t) for t in runs.values()) + 1.5))
     labels = {}
     for ax, (name, per_rank) in zip(axes[:, 0], runs.items()):
         for rank, events in enumerate(per_rank):
@@ -62,17 +91,17 @@ def plot_timelines(runs: dict, label_min_ms: float = 8):
                         color=bar_color, edgecolor="white")
                 if (end - start) * 1e3 > label_min_ms:
                     ax.text((start + end) / 2 * 1e3, rank, label, ha="center", va="center",
-                            color="white", fontsize=8)
+                            color="white")
         finished = max(end for events in per_rank for _, _, end in events)
         ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
         ax.invert_yaxis()
         everyone = "both ranks" if len(per_rank) == 2 else f"all {len(per_rank)} ranks"
-        ax.set_title(f"{name}: {everyone} done after {finished * 1e3:.0f} ms", fontsize=10)
+        ax.set_title(f"{name}: {everyone} done after {finished * 1e3:.0f} ms")
     by_color = {}  # labels that share a colour share a legend entry: "send / recv"
     for label, bar_color in labels.items():
         by_color.setdefault(bar_color, []).append(label)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in by_color]
-    axes[0, 0].legend(handles, [" / ".join(names) for names in by_color.values()], fontsize=8,
+    axes[0, 0].legend(handles, [" / ".join(names) for names in by_color.values()],
                       frameon=False, ncols=len(by_color), loc="lower right",
                       bbox_to_anchor=(1, 1.12))
     axes[-1, 0].set_xlabel("time since the common start (ms)")
@@ -116,14 +145,14 @@ def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_re
     what the hatched spans wait for (by default, the collectives)."""
     lanes = 2 * max(len(run["events"]) for run in runs.values())
     fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
-                             figsize=(9, 0.42 * lanes * len(runs) + 1.3))
+                             figsize=(9, 0.3 * lanes * len(runs) + 1.3))
     for ax, (title, run) in zip(axes[:, 0], runs.items()):
         ticks, labels = draw_step(ax, run["events"], collectives)
-        ax.set_yticks(ticks, labels, fontsize=8)
+        ax.set_yticks(ticks, labels)
         ax.invert_yaxis()
         timed = (f"step {run['step_seconds'] * 1e3:.0f} ms" if run.get("step_seconds") is not None
                  else "one step")
-        ax.set_title(f"{title}: {timed} ({what})", fontsize=10, loc="left")
+        ax.set_title(f"{title}: {timed} ({what})", loc="left")
     drawn = {event[0] for run in runs.values() for events in run["events"] for event in events}
     handles = [Patch(color=LANE_COLORS[name], label=name) for name in LANE_COLORS
                if name in drawn]  # a legend names only what is drawn
@@ -132,13 +161,29 @@ def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_re
                              label=f"waiting for {waiting_for or ' / '.join(collectives)}"))
     handles += [Patch(color=COLLECTIVE_COLORS[name][0], label=f"{name} (a bar per completion)")
                 for name in collectives if name in drawn]
-    rows = 1 if len(handles) <= 5 else 2
-    axes[0, 0].legend(handles=handles, fontsize=8, frameon=False,
-                      ncols=-(-len(handles) // rows), loc="lower left",
-                      bbox_to_anchor=(0, 1.02 + 0.13 * rows))
     axes[-1, 0].set_xlabel("time since the step started (ms)")
-    fig.tight_layout()
+    legend_outside(fig, handles, ncols=-(-len(handles) // 2), above=True)
     return fig
+
+
+def smallest_text_px(fig) -> float | None:
+    """The size of the smallest text a drawn figure shows, in pixels of its PNG at the figure's
+    dpi: a font size in points times dpi / 72 (None where it shows no text). Texts that are
+    hidden or empty (the labels of ticks never drawn) do not count."""
+    sizes = [text.get_fontsize() for text in fig.findobj(Text)
+             if text.get_visible() and text.get_text().strip()
+             and (text.axes is None or text.axes.get_visible())]
+    return round(min(sizes) * fig.dpi / 72, 2) if sizes else None
+
+
+def figure_bundle(fig) -> tuple:
+    """What a kernel shows of a figure (`import helpers` has IPython show figures so): the PNG the
+    inline backend would draw (the tight bounding box, at the figure's dpi), base64, and in its
+    metadata the size of its smallest text (smallest_text_px, measured once the PNG is drawn)."""
+    from IPython.core.pylabtools import print_figure
+
+    data = print_figure(fig, "png", bbox_inches="tight", base64=True)
+    return {PNG: data}, {PNG: {SMALLEST_TEXT: smallest_text_px(fig)}}
 
 
 def write_key_figures(directory: str) -> list:

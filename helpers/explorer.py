@@ -14,11 +14,10 @@ import base64
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
-from IPython.core.pylabtools import print_figure
 from IPython.utils.capture import capture_output
 from ipywidgets.widgets.interaction import show_inline_matplotlib_plots
 
-PNG = "image/png"
+from helpers.drawing import PNG, figure_bundle
 
 
 class Explorer(widgets.interactive):
@@ -40,9 +39,9 @@ class Explorer(widgets.interactive):
                     "metadata": shown.metadata or {}} for shown in captured.outputs]
         for number in sorted(set(plt.get_fignums()) - shown_before):  # no inline backend
             figure = plt.figure(number)
-            drawn = {PNG: print_figure(figure, "png", bbox_inches="tight"),
-                     "text/plain": repr(figure)}
-            outputs.append({"output_type": "display_data", "metadata": {}, "data": _encoded(drawn)})
+            drawn, metadata = figure_bundle(figure)
+            outputs.append({"output_type": "display_data", "metadata": metadata,
+                            "data": {**drawn, "text/plain": repr(figure)}})
             plt.close(figure)
         if captured.stdout:
             outputs.append({"output_type": "stream", "name": "stdout", "text": captured.stdout})
@@ -50,17 +49,18 @@ class Explorer(widgets.interactive):
         self.out.outputs = self.first_state
         return None
 
-    def first_picture(self) -> str | None:
-        """The first state's first figure, a base64 PNG (None if it drew none)."""
-        return next((output["data"][PNG] for output in self.first_state
-                     if PNG in output.get("data", {})), None)
+    def first_picture(self) -> dict | None:
+        """The first state's first figure: its output, a base64 PNG and its metadata (None if it
+        drew none)."""
+        return next((output for output in self.first_state if PNG in output.get("data", {})),
+                    None)
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = super()._repr_mimebundle_(**kwargs)
         picture = self.first_picture()
-        if bundle is not None and picture is not None:
-            bundle[PNG] = picture
-        return bundle
+        if bundle is None or picture is None:
+            return bundle
+        return {**bundle, PNG: picture["data"][PNG]}, {PNG: picture["metadata"].get(PNG, {})}
 
 
 def explorer(show, **controls) -> Explorer:

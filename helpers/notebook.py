@@ -28,17 +28,7 @@ def show_code(function, part: int | None = None):
     source = inspect.getsource(function)
     if part is None:
         return Code(source, language="python")
-    pieces = listing_parts(source)
-    name = function.__qualname__
-    if not 1 <= part <= len(pieces):
-        raise ValueError(f"the listing of {name} has {len(pieces)} part(s): part is 1 to "
-                         f"{len(pieces)}, not {part}")
-    text = pieces[part - 1]
-    if part > 1:
-        text = f"# {name}, part {part} of {len(pieces)}\n" + text
-    if part < len(pieces):
-        text += f"# ... part {part + 1} of {len(pieces)} follows\n"
-    return Code(text, language="python")
+    return Code(part_of(listing_parts(source), part, function.__qualname__), language="python")
 
 
 def listing_parts(source: str, limit: int = LISTING_LINES) -> list:
@@ -106,6 +96,55 @@ def listing_parts(source: str, limit: int = LISTING_LINES) -> list:
             break
     bounds = [0, *chosen, len(lines)]
     return ["".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def paragraph_parts(text: str, limit: int = LISTING_LINES) -> list:
+    """`text` (a batch script, a listing in another language) cut at blank lines into the fewest
+    parts of at most `limit` lines each, their line that says which part continues or follows
+    included (as `listing_parts` counts them), the evenest of those. A text that fits is one
+    part; one whose paragraphs no such cuts make fit is cut at every blank line."""
+    lines = text.splitlines(keepends=True)
+    if len(lines) <= limit:
+        return [text]
+    cuts = [index + 1 for index, line in enumerate(lines[:-1]) if not line.strip()]
+
+    def shown(edges: tuple) -> list:
+        bounds = [0, *edges, len(lines)]
+        return [b - a + (number > 0) + (number < len(edges))
+                for number, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+    chosen = tuple(cuts)
+    for parts in range(2, len(cuts) + 2):
+        fitting = [edges for edges in itertools.combinations(cuts, parts - 1)
+                   if max(shown(edges)) <= limit]
+        if fitting:
+            chosen = min(fitting, key=lambda edges: max(shown(edges)))
+            break
+    bounds = [0, *chosen, len(lines)]
+    return ["".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def part_of(pieces: list, part: int, name: str) -> str:
+    """The `part`-th of a listing's `pieces` (1, 2, ...), with a comment line saying which part it
+    continues, where it does, and which follows."""
+    if not 1 <= part <= len(pieces):
+        raise ValueError(f"the listing of {name} has {len(pieces)} part(s): part is 1 to "
+                         f"{len(pieces)}, not {part}")
+    text = pieces[part - 1]
+    if part > 1:
+        text = f"# {name}, part {part} of {len(pieces)}\n" + text
+    if part < len(pieces):
+        text += f"# ... part {part + 1} of {len(pieces)} follows\n"
+    return text
+
+
+def half_of(items: list, part: int | None) -> list:
+    """What a printout shown in two cells, so that each fits a slide, shows of `items`: all of
+    them (part None), the first half (1; the larger, where they are odd) or the rest (2)."""
+    if part not in (None, 1, 2):
+        raise ValueError(f"part is 1 or 2 (or None, for all), not {part}")
+    middle = (len(items) + 1) // 2
+    return items if part is None else items[:middle] if part == 1 else items[middle:]
 
 
 class ProgressBar:
@@ -246,6 +285,25 @@ def keep_a_heartbeat():
     if shell is not None and not hasattr(shell, "helpers_heartbeat"):
         shell.helpers_heartbeat = Heartbeat(shell)
         shell.helpers_heartbeat._start()  # the cell that imported helpers beats too, from now
+
+
+def show_figures_with_their_text_size():
+    """Have this kernel show a matplotlib figure as helpers.drawing.figure_bundle draws it: the
+    inline backend's PNG, whose metadata says how large its smallest text is (`import helpers`
+    calls it). Registered with IPython's mimebundle formatter, which comes before the PNG
+    formatter that the inline backend sets up whenever it is loaded."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None:
+        shell.display_formatter.mimebundle_formatter.for_type_by_name(
+            "matplotlib.figure", "Figure", _figure_bundle)
+
+
+def _figure_bundle(fig, include=None, exclude=None):
+    from helpers.drawing import figure_bundle
+
+    return figure_bundle(fig)
 
 
 def without_heartbeats(outputs: list) -> list:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from IPython.core.pylabtools import print_figure
 
+from helpers import drawing
 from helpers.explorer import PNG, explorer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "book"))
@@ -44,8 +45,10 @@ def test_an_explorer_saves_its_first_picture_and_shows_it_until_a_control_moves(
     plt.close("all")
     slider = widgets.IntSlider(value=3, min=1, max=8)
     live = explorer(show, count=slider)
-    bundle = live._repr_mimebundle_()
+    bundle, metadata = live._repr_mimebundle_()
     assert set(bundle) == {"text/plain", website.WIDGET, PNG}
+    # its smallest text, the tick labels at the course's font size: points at 100 dpi, in px
+    assert metadata == {PNG: {drawing.SMALLEST_TEXT: round(drawing.FONT_PT * 100 / 72, 2)}}
     alone = bars(3)
     expected = pixels(print_figure(alone, "png", bbox_inches="tight"))
     plt.close(alone)
@@ -59,7 +62,7 @@ def test_an_explorer_saves_its_first_picture_and_shows_it_until_a_control_moves(
 
     slider.value = 5
     assert calls == [3, 5] and live.kwargs == {"count": 5}
-    assert live._repr_mimebundle_()[PNG] == bundle[PNG]  # what is saved is the first state
+    assert live._repr_mimebundle_()[0][PNG] == bundle[PNG]  # what is saved is the first state
     plt.close("all")
 
 

@@ -67,7 +67,8 @@ def warm_up(in_background: bool = False, only_in_a_kernel: bool = False) -> None
     seconds), and one process is forked from it, so the first launch finds it ready.
 
     `import helpers` in a Jupyter kernel calls this in the background and shows a progress bar
-    while it runs (and starts the kernel's heartbeat, helpers.notebook.Heartbeat); `run` and
+    while it runs (and starts the kernel's heartbeat, helpers.notebook.Heartbeat, and has it show
+    figures with their text size, helpers.notebook.show_figures_with_their_text_size); `run` and
     `spawn` wait for it if it has not finished."""
     global _warm_up_thread
     if only_in_a_kernel and not _in_a_kernel():
@@ -76,9 +77,14 @@ def warm_up(in_background: bool = False, only_in_a_kernel: bool = False) -> None
         if _warm_up_thread is None:
             indicator = None
             if _in_a_kernel():
-                from helpers.notebook import WarmUpIndicator, keep_a_heartbeat
+                from helpers.notebook import (
+                    WarmUpIndicator,
+                    keep_a_heartbeat,
+                    show_figures_with_their_text_size,
+                )
 
                 keep_a_heartbeat()
+                show_figures_with_their_text_size()
                 if forkserver_pid() is None:
                     indicator = WarmUpIndicator()
             _warm_up_thread = threading.Thread(target=_start_forkserver, args=(indicator,),
