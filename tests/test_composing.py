@@ -90,6 +90,26 @@ def test_mesh_data_x_tensor_parallel_with_torch_trains_like_one_process():
     assert layouts["token_embedding.weight"] == (("dp",), ("Shard(dim=0)",), (64 // 2, 32))
 
 
+@pytest.mark.once  # no numbers
+def test_the_placement_table_gives_neighbours_placed_alike_one_row():
+    rows_half, whole = (0, 0, 2), "whole"
+    found = {"token_embedding.weight": [whole, "-"], "position_embedding.weight": [whole, "-"],
+             "blocks.0.norm1.weight": [whole, "-"],  # placed as the embeddings, but in a block
+             "blocks.0.attention.q.weight": [rows_half, "-"], "blocks.0.attention.q.bias": [1],
+             "blocks.0.attention.k.weight": [rows_half, "-"],
+             "blocks.0.attention.out.weight": [(1, 0, 2), "-"],
+             "blocks.0.feed_forward.up.weight": [rows_half, "-"],  # placed as q, but not next
+             "blocks.1.attention.q.weight": [rows_half, "-"],  # placed as up, but another block
+             "norm.weight": ["-", whole], "head.weight": ["-", whole]}
+    assert plots._rows(found) == [("token + position embedding", [whole, "-"]),
+                                  ("block 0 norm1", [whole, "-"]),
+                                  ("block 0 q, k", [rows_half, "-"]),
+                                  ("block 0 out", [(1, 0, 2), "-"]),
+                                  ("block 0 up", [rows_half, "-"]),
+                                  ("block 1 q", [rows_half, "-"]),
+                                  ("norm, head", ["-", whole])]
+
+
 @pytest.mark.once  # float64, or exact: no rounding changes it (Makefile)
 def test_mesh_data_x_pipeline_x_tensor_parallel_trains_like_one_process():
     model, batches, single = lm_case()

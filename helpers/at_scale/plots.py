@@ -3,10 +3,12 @@ which layouts of the lesson's question fit a GPU."""
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from helpers.drawing import GREY
+from helpers.drawing import GREY, legend_outside
 from helpers.layouts import RECOMPUTE
 
 GiB = 2**30
@@ -33,6 +35,7 @@ def by_kind(peak: dict) -> dict:
 
 # GPUs' memories the lesson draws: an H100 SXM's 80 GiB (lesson 10), and the 96 GB of torchtitan's
 # benchmark's H100s ("Each H100 GPU is equipped with 96GB HBM2e"), 89.4 GiB
+TITLE_CHARACTERS = 80  # a longer title is wrapped: at 12 pt, 80 characters are about 7 inches
 GPU_LINES = {"80 GiB (H100 SXM)": 80 * GiB, "96 GB (the benchmark's H100s)": 96e9}
 
 
@@ -40,7 +43,8 @@ def plot_beside(bars: dict, memories: dict | None = None, title: str = ""):
     """Horizontal stacked bars, one per source: bars = {label: {kind: bytes}}; a labelled line at
     each of `memories` ({label: a GPU's bytes}) if given."""
     kinds = list(dict.fromkeys(kind for parts in bars.values() for kind in parts))
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * len(bars)))
+    fig, ax = plt.subplots(figsize=(9.5, 1.2 + 0.55 * len(bars)))
+    inside = []  # (a segment's value, its left and right in GiB)
     for row, parts in enumerate(reversed(list(bars.values()))):
         left = 0.0
         for kind in kinds:
@@ -49,24 +53,35 @@ def plot_beside(bars: dict, memories: dict | None = None, title: str = ""):
                 continue
             ax.barh(row, size, left=left, color=KIND_COLORS[kind], edgecolor="white",
                     label=kind)
-            if size > 6:
-                ax.text(left + size / 2, row, f"{size:.1f}", ha="center", va="center",
-                        fontsize=8, color="white")
+            value = ax.text(left + size / 2, row, f"{size:.1f}", ha="center", va="center",
+                            color="white")
+            inside.append((value, left, left + size))
             left += size
-        ax.text(left + 0.5, row, f"{left:.1f} GiB", va="center", fontsize=9)
+        ax.text(left + 0.5, row, f"{left:.1f} GiB", va="center")
     for (label, memory), style in zip((memories or {}).items(), ("--", ":")):
         ax.axvline(memory / GiB, color=GREY, linestyle=style, label=label)
     ax.set_yticks(range(len(bars)), list(reversed(list(bars))))
     ax.set_xlabel("GiB per GPU")
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=8, ncol=1, loc="center left",
+    ax.legend(unique.values(), unique.keys(), ncol=1, loc="center left",
               bbox_to_anchor=(1.08, 0.5), frameon=False)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, TITLE_CHARACTERS))
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
+    _keep_values_that_fit(fig, ax, inside)
     return fig
+
+
+def _keep_values_that_fit(fig, ax, inside):
+    """Removes each segment's value wider than its segment, as drawn: a narrow segment's
+    number would run into its neighbours'."""
+    renderer = fig.canvas.get_renderer()
+    for value, left, right in inside:
+        (x0, _), (x1, _) = ax.transData.transform([(left, 0), (right, 0)])
+        if value.get_window_extent(renderer).width > 0.9 * (x1 - x0):
+            value.remove()
 
 
 def itemised(fake: dict, projection: dict, left_out: dict) -> str:
@@ -123,25 +138,21 @@ def plot_fits(verdicts: dict, title: str = ""):
                                            edgecolor="black", linewidth=2.5))
             ax.text(x, y, f"{verdict.peak / GiB:.0f} GiB\n"
                     f"{verdict.step.tokens_per_second:,.0f} tok/s", ha="center", va="center",
-                    fontsize=8, color="white")
+                    color="white")
         ax.set_xlim(-0.5, len(RECOMPUTE) - 0.5)
         ax.set_ylim(-0.5, len(tps) - 0.5)
-        ax.set_xticks(range(len(RECOMPUTE)), [f"recompute\n{mode}" for mode in RECOMPUTE],
-                      fontsize=8)
-        ax.set_yticks(range(len(tps)), [f"tp {tp}, dp {first[0].plan.gpus // tp}" for tp in tps],
-                      fontsize=8)
-        ax.set_title(f"GPUs of {memory / GiB:.0f} GiB", fontsize=10)
+        ax.set_xticks(range(len(RECOMPUTE)), [f"recompute\n{mode}" for mode in RECOMPUTE])
+        ax.set_yticks(range(len(tps)), [f"tp {tp}, dp {first[0].plan.gpus // tp}" for tp in tps])
+        ax.set_title(f"GPUs of {memory / GiB:.0f} GiB")
         for side in ax.spines.values():
             side.set_visible(False)
-    fig.suptitle(title, fontsize=10)
-    fig.legend(handles=[Patch(color="#4c9f70", label="a GPU holds it (what it would reserve "
-                                                     "fits)"),
-                        Patch(color="#e0a030", label="only the fake peak fits"),
-                        Patch(color="#c44e52", label="the fake peak does not fit"),
-                        Patch(facecolor="white", edgecolor="black", linewidth=2.5,
-                              label="the fastest that a GPU holds")],
-               loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.suptitle(title)
+    legend_outside(fig, [Patch(color="#4c9f70", label="a GPU holds it (what it would reserve "
+                                                      "fits)"),
+                         Patch(color="#e0a030", label="only the fake peak fits"),
+                         Patch(color="#c44e52", label="the fake peak does not fit"),
+                         Patch(facecolor="white", edgecolor="black", linewidth=2.5,
+                               label="the fastest that a GPU holds")], ncols=2)
     return fig
 
 
@@ -155,7 +166,7 @@ def plot_timeline(found: dict, title: str = ""):
     records = [dict(zip(found["kinds"], values)) for values in zip(*found["kinds"].values())]
     rows = [by_kind(record) for record in records]
     kinds = [kind for kind in KIND_COLORS if any(row.get(kind, 0) for row in rows)]
-    fig, ax = plt.subplots(figsize=(11, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     steps = range(len(rows))
     ax.stackplot(steps, *[[row.get(kind, 0) / GiB for row in rows] for kind in kinds],
                  colors=[KIND_COLORS[kind] for kind in kinds], labels=kinds, linewidth=0)
@@ -170,22 +181,23 @@ def plot_timeline(found: dict, title: str = ""):
             groups[-1][3] = end
         else:
             groups.append([narrow, [phase], start, end])
-    for narrow, phases, start, end in groups:  # a narrow group's label runs over its neighbour
-        middle = (start + end) / 2
+    for narrow, phases, start, end in groups:  # a narrow group's label runs over its neighbour,
+        middle = (start + end) / 2  # above the others', over the plot's frame
         align = ("center" if not narrow else "right" if middle > 0.8 * len(rows) else "left")
-        ax.text({"center": middle, "right": end, "left": start}[align], max(total) * 1.06,
-                " + ".join(phases) if narrow else phases[0], ha=align, va="bottom", fontsize=8)
+        ax.text({"center": middle, "right": end, "left": start}[align],
+                max(total) * (1.19 if narrow else 1.06),
+                " + ".join(phases) if narrow else phases[0], ha=align, va="bottom")
     peak = max(range(len(total)), key=total.__getitem__)
     ax.plot(peak, total[peak], "o", color="black")
     peak_phase = found["phases"][sum(start <= peak for start in starts[:-1]) - 1][0]
     ax.annotate(f"peak {total[peak]:.1f} GiB, in {peak_phase}", (peak, total[peak]),
-                xytext=(12, -4), textcoords="offset points", fontsize=9)
+                xytext=(12, -4), textcoords="offset points")
     ax.set_xlim(0, len(rows))
     ax.set_ylim(0, max(total) * 1.18)
     ax.set_xlabel("operations of the step, in order")
     ax.set_ylabel("GiB alive on rank 0")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    ax.set_title(textwrap.fill(title, TITLE_CHARACTERS), pad=24)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
@@ -196,7 +208,7 @@ def plot_step_times(rows: list, title: str = ""):
     """rows = [(label, step_time.StepTime, published tokens/s a GPU or None)]: per row, compute
     then tensor parallelism's time on the critical path, FSDP's time on the link below them (it
     overlaps with compute), and the published step's length, marked."""
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.8 * len(rows)))
+    fig, ax = plt.subplots(figsize=(9.5, 1.2 + 0.8 * len(rows)))
     for row, (_, time, published) in enumerate(reversed(rows)):
         ax.barh(row + 0.12, time.compute, height=0.4, color="#55A868",
                 label="compute (FLOPs at the calibrated efficiency)")
@@ -211,15 +223,15 @@ def plot_step_times(rows: list, title: str = ""):
                     label="published step (tokens / published tokens/s)")
             text += (f"; published {published:,}: "
                      f"{time.tokens_per_second / published - 1:+.0%}")
-        ax.text(max(time.seconds, time.fsdp) * 1.02 + 0.3, row, text, va="center", fontsize=9)
-    ax.set_yticks(range(len(rows)), [label for label, _, _ in reversed(rows)], fontsize=9)
+        ax.text(max(time.seconds, time.fsdp) * 1.02 + 0.3, row, text, va="center")
+    ax.set_yticks(range(len(rows)), [textwrap.fill(label, 32) for label, _, _ in reversed(rows)])
     ax.set_xlabel("seconds a step, per GPU (a model, not a measurement)")
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper center",
+    ax.legend(unique.values(), unique.keys(), loc="upper center",
               bbox_to_anchor=(0.5, -0.25), ncol=2, frameon=False)
     ax.set_xlim(0, max(max(time.seconds, time.fsdp) for _, time, _ in rows) * 1.7)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, TITLE_CHARACTERS))
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()

@@ -34,13 +34,13 @@ def plot_run(runs: dict, unigram: float | None = None, title: str = ""):
     if unigram is not None:
         ax.axhline(unigram, color=GREY, linestyle="--", linewidth=1)
         ax.annotate("unigram baseline (byte frequencies)", (0, unigram), xytext=(4, 4),
-                    textcoords="offset points", fontsize=8, color=GREY)
+                    textcoords="offset points", color=GREY)
     ax.set_xlabel("step")
     ax.set_ylabel("loss, bits per byte")
     ax.set_ylim(top=min(9.5, ax.get_ylim()[1]))  # an untrained model starts near 8.8
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(frameon=False)
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title)
     fig.tight_layout()
     return fig
 
@@ -58,15 +58,15 @@ def plot_resumed(attempts: dict, uninterrupted: dict, killed_after: int, resumed
                 color=COLORS[attempt], label=f"torchrun, attempt {attempt}")
     ax.axvline(killed_after + 0.5, color="#C44E52", linestyle="--", linewidth=1)
     ax.annotate(f"rank killed after step {killed_after}", (killed_after + 0.5, 1), xytext=(4, -12),
-                xycoords=("data", "axes fraction"), textcoords="offset points", fontsize=8,
+                xycoords=("data", "axes fraction"), textcoords="offset points",
                 color="#C44E52")
     ax.axvline(resumed_after, color=COLORS[1], linestyle=":", linewidth=1)
     ax.annotate(f"restart loads step {resumed_after}", (resumed_after, 0), xytext=(-4, 6),
-                xycoords=("data", "axes fraction"), textcoords="offset points", fontsize=8,
+                xycoords=("data", "axes fraction"), textcoords="offset points",
                 ha="right", color=COLORS[1])
     ax.set_xlabel("step")
     ax.set_ylabel("loss, bits per byte")
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
 
@@ -98,23 +98,22 @@ def plot_traces(per_rank: list, window: tuple | None = None):
         totals.barh(rank + 0.2, numbers["overlap_s"], height=0.36, color="none",
                     edgecolor="black", hatch="///", linewidth=0.5)
         totals.annotate(f"{numbers['overlap_share']:.0%} hidden", (left, rank + 0.2),
-                        xytext=(3, 0), textcoords="offset points", va="center", fontsize=7.5)
+                        xytext=(3, 0), textcoords="offset points", va="center")
     if window is not None:
         ax.set_xlim(*window)
     ax.set_yticks(range(len(per_rank)), [f"rank {rank}" for rank in range(len(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the trace began (the profiled steps)")
-    ax.set_title("top of each row: computing; bottom: a collective in flight (gloo's threads)",
-                 fontsize=9)
+    ax.set_title("top of each row: computing; bottom: a collective in flight (gloo's threads)")
     totals.set_xlabel("seconds in the profiled steps")
-    totals.set_title("totals; hatched: communication under compute", fontsize=9)
+    totals.set_title("totals; hatched: communication under compute")
     totals.margins(x=0.35)
     legend = [plt.Rectangle((0, 0), 1, 1, color=COMPUTE, label="compute"),
               plt.Rectangle((0, 0), 1, 1, color=COMMUNICATION,
                             label="DTensor's communication (tensor parallelism, over tp)"),
               plt.Rectangle((0, 0), 1, 1, color=LANES["communication FSDP2"],
                             label="FSDP2's communication (over dp)")]
-    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.legend(handles=legend, loc="lower center", ncol=3, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
@@ -154,7 +153,7 @@ def plot_scaling(seconds: dict, tokens_per_step: int, labels: dict | None = None
     for ax in (rate, efficiency):
         ax.set_xticks(ranks)
         ax.set_xlabel("ranks (every line starts from one process)")
-    rate.legend(fontsize=8, frameon=False)
+    rate.legend(frameon=False)
     fig.tight_layout()
     return fig
 

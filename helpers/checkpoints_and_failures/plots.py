@@ -9,7 +9,7 @@ import tempfile
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-from helpers.drawing import COLORS, GREY
+from helpers.drawing import COLORS, GREY, legend_outside
 
 KILLED = "#C44E52"
 # the tensor the key figure shows: FSDP cuts its rows, tensor parallelism its columns
@@ -26,10 +26,10 @@ def plot_bytes(measured: dict):
             xs = [x + rank for rank in range(ranks)]
             ax.bar(xs, [value / 1e3 for value in values[what]], 0.8, color=COLORS[index % 2])
             ticks.append(x + (ranks - 1) / 2)
-            labels.append(f"{'full state dict' if how == 'full' else 'DCP'}\n{ranks} ranks")
+            labels.append(f"{'full dict' if how == 'full' else 'DCP'}\n{ranks} ranks")
             x += ranks + 1
-        ax.set_xticks(ticks, labels, fontsize=8)
-        ax.set_title(f"bytes each rank {what} (bars: ranks 0, 1, ...)", fontsize=9)
+        ax.set_xticks(ticks, labels)
+        ax.set_title(f"bytes each rank {what} (bars: ranks 0, 1, ...)")
         ax.set_ylabel("kB")
     fig.tight_layout()
     return fig
@@ -55,8 +55,8 @@ def plot_pieces(saved_rows: list, loads: dict, name: str = SHOWN):
                                    alpha=1.0 if ax is axes[0] else 0.35, linewidth=0))
     for row in rows:
         axes[0].text(row["start"][1] + row["piece"][1] / 2, row["start"][0] + row["piece"][0] / 2,
-                     row["file"], ha="center", va="center", color="white", fontsize=8)
-    axes[0].set_title(f"saved: {len(files)} files, one per rank", fontsize=9)
+                     row["file"], ha="center", va="center", color="white")
+    axes[0].set_title(f"saved: {len(files)} files, one per rank")
     for ax, (label, per_rank) in zip(axes[1:], loads.items()):
         for rank, read in enumerate(per_rank):
             parts = [piece for piece in read if piece.name == name]
@@ -68,10 +68,9 @@ def plot_pieces(saved_rows: list, loads: dict, name: str = SHOWN):
                                    edgecolor="black", linewidth=1.5))
             sources = sorted({piece.file.removesuffix(".distcp") for piece in parts})
             ax.text((left + right) / 2, (top + bottom) / 2,
-                    f"rank {rank}\nreads {', '.join(sources)}", ha="center", va="center",
-                    fontsize=7.5)
-        ax.set_title(f"loaded: {label}", fontsize=9)
-    fig.suptitle(f"{name.removeprefix('model.')}, {shape[0]} × {shape[1]}", fontsize=10)
+                    f"rank {rank}\nreads\n{', '.join(sources)}", ha="center", va="center")
+        ax.set_title(f"loaded: {label}")
+    fig.suptitle(f"{name.removeprefix('model.')}, {shape[0]} × {shape[1]}")
     fig.tight_layout()
     return fig
 
@@ -90,15 +89,14 @@ def plot_save_timelines(runs: dict, rank: int = 0):
                     edgecolor="white", linewidth=0.5)
             if what.startswith("step"):
                 ax.text((start + end) / 2, lane, what.split()[1], ha="center", va="center",
-                        fontsize=7, color="white")
-    ax.set_yticks(range(len(runs)), list(runs), fontsize=8)
+                        color="white")
+    ax.set_yticks(range(len(runs)), list(runs))
     ax.invert_yaxis()
     ax.set_xlabel(f"seconds on rank {rank}")
     handles = [Rectangle((0, 0), 1, 1, color=colour) for colour in
                (COLORS[2], KILLED, COLORS[0])]
     ax.legend(handles, ["training step", "save (blocking) / staging", "writing in background"],
-              fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.45),
-              ncol=3)
+              frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3)
     fig.tight_layout()
     return fig
 
@@ -118,7 +116,7 @@ def plot_resized_losses(runs: dict, reference: dict):
     ax.set_xlabel("step")
     ax.set_ylabel("loss of the global batch")
     ax.set_xticks(steps)
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
 
@@ -143,10 +141,8 @@ def plot_lost_time(curves: dict, mtbf_s: float):
     ax.set_yscale("log")
     ax.set_xlabel("seconds between saves, τ")
     ax.set_ylabel("% of time lost")
-    ax.set_title(f"from a formula: lost = δ/τ + τ/2M, M = {mtbf_s / 3600:.1f} h (Llama 3)",
-                 fontsize=9)
-    ax.legend(fontsize=8, frameon=False)
-    fig.tight_layout()
+    ax.set_title(f"from a formula: lost = δ/τ + τ/2M, M = {mtbf_s / 3600:.1f} h (Llama 3)")
+    legend_outside(fig, ax.get_legend_handles_labels()[0], ncols=1)
     return fig
 
 
@@ -169,24 +165,24 @@ def plot_job(job, story: list):
             colour = KILLED if event["event"] == "killed" else COLORS[event["attempt"]]
             ax.plot([x], [y], marker=marker, markersize=size, color=colour, linestyle="")
             if name != "all" and event["event"] == "step" and y == ranks[0]:
-                ax.annotate(str(event["step"]), (x, y), xytext=(0, 8), fontsize=7,
+                ax.annotate(str(event["step"]), (x, y), xytext=(0, 8),
                             textcoords="offset points", ha="center", color=colour)
         if name != "all":
             times = [job.seconds(event["time"]) for event in shown]
             ax.set_xlim(min(times) - 0.05, max(times) + 0.05)
-            ax.set_title(f"attempt {name}, close up", fontsize=9)
+            ax.set_title(f"attempt {name}, close up")
         for number, (seconds, _) in enumerate(story, start=1):
             ax.axvline(seconds, color=GREY, linewidth=0.8, linestyle="--")
             if name == "all":
                 ax.annotate(str(number), (seconds, ranks[0] - 0.5 - 0.45 * (number % 3)),
-                            fontsize=7.5, ha="center", va="bottom",
+                            ha="center", va="bottom",
                             bbox={"boxstyle": "circle,pad=0.15", "fc": "white", "ec": GREY})
-        ax.set_yticks(ranks, [f"rank {rank}" for rank in ranks], fontsize=8)
+        ax.set_yticks(ranks, [f"rank {rank}" for rank in ranks])
         ax.set_ylim(ranks[-1] + 0.6, ranks[0] - (1.9 if name == "all" else 0.9))
-    axes["all"].set_title("the whole job; numbered: what the agent did", fontsize=9)
-    axes["all"].set_xlabel("seconds since torchrun started", fontsize=8)
+    axes["all"].set_title("the whole job; numbered: what the agent did")
+    axes["all"].set_xlabel("seconds since torchrun started")
     listed = "   ".join(f"{number}: {what}" for number, (_, what) in enumerate(story, start=1))
-    fig.text(0.5, 0.015, f"agent, from its log:   {listed}", ha="center", fontsize=8)
+    fig.text(0.5, 0.015, f"agent, from its log:   {listed}", ha="center")
     legend = [plt.Line2D([], [], marker=">", linestyle="", color=COLORS[0], label="started"),
               plt.Line2D([], [], marker="|", linestyle="", markersize=10, color=COLORS[0],
                          label="step, attempt 0"),
@@ -194,7 +190,7 @@ def plot_job(job, story: list):
                          label="step, attempt 1"),
               plt.Line2D([], [], marker="v", linestyle="", color=GREY, label="checkpoint saved"),
               plt.Line2D([], [], marker="X", linestyle="", color=KILLED, label="SIGKILL")]
-    fig.legend(handles=legend, fontsize=7.5, frameon=False, loc="lower center",
+    fig.legend(handles=legend, frameon=False, loc="lower center",
                bbox_to_anchor=(0.5, 0.04), ncol=5)
     fig.tight_layout(rect=(0, 0.09, 1, 1))
     return fig
@@ -214,14 +210,14 @@ def plot_flight_records(dumps: list, rows: list):
             ax.add_patch(Rectangle((column, rank), 0.95, 0.9, color=KILLED if odd else COLORS[0],
                                    alpha=0.9 if odd else 0.35))
             ax.text(column + 0.47, rank + 0.45, call or "(nothing)", ha="center", va="center",
-                    fontsize=8, color="white" if odd else "black")
+                    color="white" if odd else "black")
     ax.set_xlim(0, len(numbers))
     ax.set_ylim(len(dumps), 0)
     ax.set_xticks([column + 0.47 for column in range(len(numbers))],
-                  [f"#{number}" for number in numbers], fontsize=8)
+                  [f"#{number}" for number in numbers])
     ax.set_yticks([rank + 0.45 for rank in range(len(dumps))],
-                  [f"rank {rank}" for rank in range(len(dumps))], fontsize=8)
-    ax.set_xlabel("collective sequence number in the group", fontsize=8)
+                  [f"rank {rank}" for rank in range(len(dumps))])
+    ax.set_xlabel("collective sequence number in the group")
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)

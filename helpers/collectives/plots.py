@@ -17,9 +17,9 @@ def draw_buffers(ax, results: list, key: str, width: int, reduced: bool = False)
     n = len(results)
     for rank, item in enumerate(results):
         y = n - 1 - rank
-        ax.text(-0.15, y + 0.4, f"rank {rank}", ha="right", va="center", fontsize=9)
+        ax.text(-0.15, y + 0.4, f"rank {rank}", ha="right", va="center")
         if item[key] is None:
-            ax.text(0.1, y + 0.4, "(no buffer)", va="center", color="#999", fontsize=8)
+            ax.text(0.1, y + 0.4, "(no buffer)", va="center", color="#999")
             continue
         scratch = key == "after" and item.get("scratch", False)
         for i, value in enumerate(item[key].tolist()):
@@ -27,10 +27,10 @@ def draw_buffers(ax, results: list, key: str, width: int, reduced: bool = False)
             ax.add_patch(Rectangle((i, y), 0.94, 0.8, facecolor="white" if scratch else fill,
                                    edgecolor=GREY, hatch="//" if scratch else None, alpha=0.9))
             ax.text(i + 0.47, y + 0.4, f"{value:g}", ha="center", va="center",
-                    color=GREY if scratch else "white", fontsize=9, fontweight="bold")
+                    color=GREY if scratch else "white", fontweight="bold")
         if scratch:
             ax.text(len(item[key]) + 0.1, y + 0.4, "scratch,\nnot a result", va="center",
-                    color=GREY, fontsize=7)
+                    color=GREY)
     ax.set_xlim(-1.1, width + 1.2)
     ax.set_ylim(-0.2, n)
     ax.set_title(key)
@@ -44,12 +44,16 @@ def _width(results):
 
 def plot_collective(name: str, results: list, rule: str = "", reduced: bool = False):
     """Every rank's buffer before and after the collective `name`, drawn from the returned
-    tensors (`collective_worker`)."""
+    tensors (`collective_worker`): side by side, or one above the other where buffers are long
+    (a screen's width holds two of six numbers each)."""
     width = _width(results)
-    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.3 * width, 0.55 * len(results) + 1.3))
+    if width <= 6:
+        fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.3 * width, 0.55 * len(results) + 1.3))
+    else:
+        fig, axes = plt.subplots(2, 1, figsize=(0.6 * (width + 2.3), 1.1 * len(results) + 1.6))
     for ax, key in zip(axes, ("before", "after")):
         draw_buffers(ax, results, key, width, reduced)
-    fig.suptitle(f"{name}: {rule}" if rule else name, fontsize=10)
+    fig.suptitle(f"{name}: {rule}" if rule else name)
     fig.tight_layout()
     return fig
 
@@ -66,8 +70,8 @@ def key_figure():
         pair = axes[index // 2, 2 * (index % 2): 2 * (index % 2) + 2]
         for ax, key in zip(pair, ("before", "after")):
             draw_buffers(ax, results, key, _width(results), reduced=name in REDUCING)
-            ax.set_title(f"{name}: {key}", fontsize=10)
+            ax.set_title(f"{name}: {key}")
     fig.suptitle("Every rank's buffers before and after, as the ranks returned them "
-                 "(colour: the rank a number came from; grey: a sum)", fontsize=10)
+                 "(colour: the rank a number came from; grey: a sum)")
     fig.tight_layout()
     return fig

@@ -53,7 +53,7 @@ def plot_rows_held(owner: list, places: list, title: str):
             rank, place = owner[start], places[owner[start]]
             ax.barh(0, row - start, left=start, color=color(rank), edgecolor="white")
             ax.text((start + row) / 2, 0, f"rank {rank}\ndp {place['dp']}, tp {place['tp']}\n"
-                    f"rows {start}-{row - 1}", ha="center", va="center", fontsize=8,
+                    f"rows {start}-{row - 1}", ha="center", va="center",
                     color="white")
             start = row
     half = len(owner) // 2
@@ -61,12 +61,12 @@ def plot_rows_held(owner: list, places: list, title: str):
                         (half, "tp 1: second half")):
         ax.annotate("", xy=(left + half, 0.55), xytext=(left, 0.55),
                     arrowprops=dict(arrowstyle="<->", color=GREY))
-        ax.text(left + half / 2, 0.62, label, ha="center", fontsize=8)
+        ax.text(left + half / 2, 0.62, label, ha="center")
     ax.set_xlim(0, len(owner))
     ax.set_ylim(-0.6, 0.85)
     ax.set_yticks([])
     ax.set_xlabel("row of the weight (its output features)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title)
     fig.tight_layout()
     return fig
 
@@ -79,14 +79,40 @@ def _short(name: str) -> str:
     return parts[0].replace("_", " ")
 
 
+def _rows(found: dict) -> list:
+    """The weight matrices (biases follow their layer) in order, neighbours of one block (or both
+    outside the blocks) that every rank holds the same piece of in one row: [(label, placements)],
+    "block 0 q, k, v"."""
+    rows = []
+    for name in (name for name in found if name.endswith(".weight")):
+        group = name.split(".")[1] if name.startswith("blocks.") else None
+        if rows and rows[-1][1:] == [found[name], group]:
+            rows[-1][0].append(_short(name))
+        else:
+            rows.append([[_short(name)], found[name], group])
+    return [(_joined(shorts), where) for shorts, where, _ in rows]
+
+
+def _joined(shorts: list) -> str:
+    """["block 0 q", "block 0 k"] -> "block 0 q, k"; ["token embedding", "position embedding"]
+    -> "token + position embedding"; otherwise, listed."""
+    heads, lasts = zip(*(short.rsplit(" ", 1) if " " in short else ("", short)
+                         for short in shorts))
+    if len(set(heads)) == 1:
+        return f"{heads[0]} {', '.join(lasts)}".strip()
+    if len(set(lasts)) == 1:
+        return f"{' + '.join(heads)} {lasts[0]}"
+    return ", ".join(shorts)
+
+
 def plot_placements(found: dict, places: list, title: str):
-    """A table: a row per weight matrix (biases follow their layer), a column per rank labelled
-    with its grid coordinates; each cell says which piece of that weight the rank holds, coloured
-    by the piece (grey: all of it; blank: none)."""
-    names = [name for name in found if name.endswith(".weight")]
-    fig, ax = plt.subplots(figsize=(1.05 * len(places) + 2.2, 0.3 * len(names) + 1.5))
-    for row, name in enumerate(names):
-        for rank, where in enumerate(found[name]):
+    """A table: a row per weight matrix (biases follow their layer; neighbours placed alike share
+    a row), a column per rank labelled with its grid coordinates; each cell says which piece of
+    that weight the rank holds, coloured by the piece (grey: all of it; blank: none)."""
+    rows = _rows(found)
+    fig, ax = plt.subplots(figsize=(1.05 * len(places) + 2.2, 0.3 * len(rows) + 1.5))
+    for row, (_, placed) in enumerate(rows):
+        for rank, where in enumerate(placed):
             if where == "-":
                 continue
             if where == "whole":
@@ -97,20 +123,18 @@ def plot_placements(found: dict, places: list, title: str):
                 text = f"{'rows' if dim == 0 else 'cols'} {index + 1}/{pieces}"
             ax.add_patch(plt.Rectangle((rank, row), 0.94, 0.9, facecolor=fill, alpha=0.85))
             ax.text(rank + 0.47, row + 0.45, text, ha="center", va="center", color="white",
-                    fontsize=7, fontweight="bold")
+                    fontweight="bold")
     ax.set_xlim(0, len(places))
-    ax.set_ylim(len(names), 0)
-    ax.set_yticks([row + 0.45 for row in range(len(names))], [_short(n) for n in names],
-                  fontsize=8)
-    labels = [f"rank {rank}\n" + " ".join(f"{dim} {coordinate}"
-                                          for dim, coordinate in place.items())
+    ax.set_ylim(len(rows), 0)
+    ax.set_yticks([row + 0.45 for row in range(len(rows))], [label for label, _ in rows])
+    labels = [f"rank {rank}\n({', '.join(str(coordinate) for coordinate in place.values())})"
               for rank, place in enumerate(places)]
-    ax.set_xticks([rank + 0.47 for rank in range(len(places))], labels, fontsize=7)
+    ax.set_xticks([rank + 0.47 for rank in range(len(places))], labels)
     ax.xaxis.tick_top()
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)
-    ax.set_title(title, fontsize=10, pad=34)
+    ax.set_title(f"{title}\nunder each rank, its place ({', '.join(places[0])})", pad=40)
     fig.tight_layout()
     return fig
 
@@ -132,16 +156,16 @@ def plot_projection(model, gpus: int, chosen: list, recomputation: str = "select
             left += row[part] / gib
         ax.text(max(left, GPU_MEMORY / gib) + 4, index, f"{row['seconds']:.2f} s on links"
                 if row["fits"]
-                else "does not fit", va="center", fontsize=8)
+                else "does not fit", va="center")
     widest = max(max(row["memory"] for row in rows), GPU_MEMORY) / gib
     ax.set_xlim(0, widest * 1.4)  # room for the labels right of the bars
     ax.axvline(GPU_MEMORY / gib, color=COLORS[3], linestyle="--")
-    ax.set_yticks(range(len(chosen)), [str(layout) for layout in chosen], fontsize=8)
+    ax.set_yticks(range(len(chosen)), [str(layout) for layout in chosen])
     ax.invert_yaxis()
     ax.set_xlabel("GiB per GPU (projection); dashed: an H100 SXM's 80 GiB")
     ax.set_title(f"{model.name} on {gpus} GPUs, {RECOMPUTATION_LABELS[recomputation]}: memory per "
-                 "GPU, and the time its bytes take on the links", fontsize=10)
-    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.28),
+                 "GPU, and the time its bytes take on the links")
+    ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.28),
               ncol=len(parts))
     fig.tight_layout()
     return fig
@@ -186,15 +210,14 @@ def plot_routing(results: list):
     uniform = sum(totals) / experts
     left.axhline(uniform, color="black", linestyle="--", linewidth=1,
                  label=f"uniform: {uniform:g} each")
-    left.set_title(f"assignments per expert (top-k routing): {min(totals)} to {max(totals)}",
-                   fontsize=10)
+    left.set_title(f"assignments per expert (top-k routing): {min(totals)} to {max(totals)}")
     left.set_ylabel("token assignments")
     left.set_ylim(top=1.5 * max(totals))  # room for the legend
-    left.legend(frameon=False, fontsize=8, loc="upper right")
+    left.legend(frameon=False, loc="upper right")
     _kept_and_dropped(right, routed, kept, results[0]["capacity"])
     right.set_title(f"capacity factor {results[0]['capacity_factor']}: "
                     f"{sum(result['dropped'] for result in results)} of {sum(totals)} "
-                    "dropped", fontsize=10)
+                    "dropped")
     for ax in (left, right):
         ax.set_xticks(range(experts), [f"expert {e}\n(rank {e})" for e in range(experts)])
     fig.tight_layout()
@@ -216,7 +239,7 @@ def _kept_and_dropped(ax, routed, kept, capacity):
         ax.axhline(capacity, color="black", linestyle="--", linewidth=1,
                    label=f"capacity C = {capacity}")
     ax.set_ylabel("assignments from each rank")
-    ax.legend(frameon=False, fontsize=8, loc="upper right")
+    ax.legend(frameon=False, loc="upper right")
 
 
 # --- weights ------------------------------------------------------------------------------------
@@ -236,8 +259,8 @@ def plot_transfer_times(sweep: list, title: str = ""):
         axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("weights (MB, float32)")
     ax.set_ylabel("transfer time (ms, median)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(title)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
 
@@ -263,7 +286,7 @@ def plot_ring_work(visible_pairs: dict, formula: dict, compute_ms: dict | None =
                 ax.plot(ranks, formula[layout], "_", color="black", markersize=14,
                         markeredgewidth=2, label="formula" if index == 0 else None)
         ax.set_xticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
-        ax.set_ylabel(label, fontsize=9)
-    axes[0, 0].legend(fontsize=8, frameon=False)
+        ax.set_ylabel(label)
+    axes[0, 0].legend(frameon=False)
     fig.tight_layout()
     return fig

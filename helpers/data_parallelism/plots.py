@@ -23,10 +23,10 @@ def plot_replica_spread(spreads: dict):
     ax.set_yscale("log")
     ax.set_ylim(1e-13, 10)
     ax.axhline(1e-12, color=GREY, linewidth=0.8, linestyle=":")
-    ax.text(1, 2e-12, "identical (0, drawn at 1e-12)", fontsize=8, color=GREY)
+    ax.text(1, 1e-11, "identical (0, drawn at 1e-12)", color=GREY)
     ax.set_xlabel("training step")
     ax.set_ylabel("largest |weight - rank 0's|")
-    ax.legend(fontsize=8, frameon=False, loc="center right")
+    ax.legend(frameon=False, loc="center right")
     fig.tight_layout()
     return fig
 
@@ -40,13 +40,14 @@ def plot_equality(differences: dict, tolerance: float):
     colors = [COLORS[2] if value <= tolerance else COLORS[3] for value in values]
     ax.barh(range(len(cases)), values, color=colors)
     ax.set_xscale("log")
-    ax.set_yticks(range(len(cases)), cases, fontsize=9)
+    ax.set_yticks(range(len(cases)), cases)
     ax.invert_yaxis()
     ax.axvline(tolerance, color="black", linestyle="--", linewidth=1)
-    ax.text(tolerance * 1.3, len(cases) - 0.6, "float32 tolerance", fontsize=8)
+    ax.annotate("float32 tolerance", (tolerance, 1), xycoords=("data", "axes fraction"),
+                xytext=(0, 3), textcoords="offset points", ha="center", va="bottom")
     for y, value in enumerate(values):  # a passing difference is rounding: its digits are noise
         label = f"≤ {tolerance:.0e}" if value <= tolerance else f"{differences[cases[y]]:.1e}"
-        ax.text(value * 1.3, y, label, va="center", fontsize=8)
+        ax.text(value * 1.3, y, label, va="center")
     ax.set_xlim(1e-10, 10)
     ax.set_xlabel("largest |parameter - single-process parameter| after training")
     fig.tight_layout()
@@ -63,9 +64,9 @@ def plot_bucketing(measured: dict, predicted: dict):
            color=COLORS[0], label="measured")
     ax.bar([i + 0.2 for i in x], [predicted[k] * 1e3 for k in labels], width=0.4,
            color=COLORS[1], label="alpha-beta model")
-    ax.set_xticks(list(x), labels, fontsize=9)
+    ax.set_xticks(list(x), labels)
     ax.set_ylabel("averaging the gradients (ms)")
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
 
@@ -77,7 +78,7 @@ def plot_step_times(medians: dict, world_size: int):
     ax.barh(range(len(names)), [medians[n] * 1e3 for n in names],
             color=[COLORS[i] for i in range(len(names))])
     for y, name in enumerate(names):
-        ax.text(medians[name] * 1e3, y, f" {medians[name] * 1e3:.0f} ms", va="center", fontsize=8)
+        ax.text(medians[name] * 1e3, y, f" {medians[name] * 1e3:.0f} ms", va="center")
     ax.set_yticks(range(len(names)), [LABELS.get(name, name) for name in names])
     ax.invert_yaxis()
     ax.set_xlabel(f"median step time on {world_size} ranks (ms)")

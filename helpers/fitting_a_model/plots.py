@@ -18,7 +18,7 @@ def plot_kept(measured: dict, formula: dict, shape: dict):
     """Bytes one Block keeps for backward, {(kernel, mode): bytes} measured, as bars grouped by
     attention kernel; the formula's value (checkpointing.kept_formula) is a black tick on each.
     `shape`: the block's s, b, h, a, for the title."""
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = plt.subplots(figsize=(9, 3.3))
     width = 0.8 / len(MODES)
     for index, mode in enumerate(MODES):
         xs = [k + (index - (len(MODES) - 1) / 2) * width for k in range(len(KERNELS))]
@@ -27,12 +27,11 @@ def plot_kept(measured: dict, formula: dict, shape: dict):
         ax.scatter(xs, [formula[kernel, mode] / 1e3 for kernel in KERNELS], marker="_",
                    s=500, color="black", zorder=3, label="formula" if index == 0 else None)
         for x, value in zip(xs, values):
-            ax.text(x, value, f"{value:,.0f}", ha="center", va="bottom", fontsize=8)
+            ax.text(x, value, f"{value:,.0f}", ha="center", va="bottom")
     ax.set_xticks(range(len(KERNELS)), [f"{kernel} attention" for kernel in KERNELS])
     ax.set_ylabel("kept for backward (kB)")
-    ax.set_title("One Block, s = {s}, b = {b}, h = {h}, a = {a}, float32".format(**shape),
-                 fontsize=10)
-    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    ax.set_title("One Block, s = {s}, b = {b}, h = {h}, a = {a}, float32".format(**shape))
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
     ax.margins(y=0.15)
     fig.tight_layout()
     return fig
@@ -62,7 +61,7 @@ def plot_losses(curves: dict):
                 linestyle="-" if index == 0 else "--")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
 
@@ -81,7 +80,7 @@ def plot_relative_errors(errors: dict, bounds: dict):
     ax.set_xscale("log")
     ax.set_xlabel("|error| / (Σ|terms| / n), against a float64 average (dashed: the bound)")
     ax.set_ylabel("elements")
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
 
@@ -101,15 +100,15 @@ def plot_accumulation(sent: dict, formula: dict, held: dict, parameter_bytes: in
     left.set_xticks(counts)
     left.set_xlabel("micro-batches per step, m")
     left.set_ylabel("kB sent per step, one rank")
-    left.set_title("sent: measured (dots), formula (lines)", fontsize=9)
-    left.legend(fontsize=7, frameon=False)
+    left.set_title("sent: measured (dots), formula (lines)")
+    left.legend(frameon=False)
     names = list(held)
     right.barh(range(len(names)), [held[name] / parameter_bytes for name in names],
                color=[COLORS[index] for index in range(len(names))])
-    right.set_yticks(range(len(names)), [LABELS.get(name, name) for name in names], fontsize=8)
+    right.set_yticks(range(len(names)), [LABELS.get(name, name) for name in names])
     right.invert_yaxis()
     right.set_xlabel("gradients held / whole gradients")
-    right.set_title(f"held during accumulation (m = {counts[-1]})", fontsize=9)
+    right.set_title(f"held during accumulation (m = {counts[-1]})")
     fig.tight_layout()
     return fig
 
@@ -122,12 +121,12 @@ def plot_tradeoff(kept: dict, added: dict, title: str):
         ax.scatter(added[label] / 1e6, kept[label] / 1e3, s=60, color=COLORS[index % len(COLORS)],
                    zorder=3)
         ax.annotate(label, (added[label] / 1e6, kept[label] / 1e3), textcoords="offset points",
-                    xytext=(8, 5 if index % 2 == 0 else -14), fontsize=8)  # neighbours apart
+                    xytext=(8, 5 if index % 2 == 0 else -14))  # neighbours apart
     ax.set_xlabel("FLOPs recomputation adds to a step (millions, FlopCounterMode)")
     ax.set_ylabel("bytes kept for backward (thousands)")
     ax.set_xlim(-0.1 * max(added.values()) / 1e6, 1.45 * max(added.values()) / 1e6)
     ax.set_ylim(0, 1.15 * max(kept.values()) / 1e3)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

@@ -37,12 +37,12 @@ def plot_sweeps(sweeps: dict, fits: dict | None = None):
     time_ax.set_ylabel("time (s)")
     crossover = "\n(line: the fitted model; dotted: the size where both terms are equal)"
     time_ax.set_title("time: flat where latency dominates, rising where bandwidth does"
-                      + (crossover if fits else ""), fontsize=9)
-    time_ax.legend(fontsize=7)
+                      + (crossover if fits else ""))
+    time_ax.legend()
     bw_ax.set_xlabel("size S (bytes)")
     bw_ax.set_ylabel("busbw (GB/s)")
-    bw_ax.set_title("bus bandwidth", fontsize=9)
-    bw_ax.legend(fontsize=7)
+    bw_ax.set_title("bus bandwidth")
+    bw_ax.legend()
     fig.tight_layout()
     return fig
 
@@ -61,9 +61,8 @@ def plot_against_published(measured: dict, published: list):
                   alpha=1 - 0.35 * index, label=f"{label} (published, not measured here)")
     ax.set_xlabel("size S (bytes)")
     ax.set_ylabel("all_reduce busbw (GB/s)")
-    ax.set_title("The same sweep on GPU servers (published, in S. Bekman's ML Engineering book)",
-                 fontsize=10)
-    ax.legend(fontsize=7, frameon=False)
+    ax.set_title("The same sweep on GPU servers (published, in S. Bekman's ML Engineering book)")
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(0, -0.2))
     fig.tight_layout()
     return fig
 
@@ -77,11 +76,11 @@ def plot_links(measured: dict, published: list):
     colors = [color(0)] * len(measured) + ["#bbbbbb"] * len(published)
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(values) + 1))
     bars = ax.barh(labels, values, color=colors)
-    ax.bar_label(bars, fmt="%.1f GB/s", fontsize=8, padding=3)
+    ax.bar_label(bars, fmt="%.1f GB/s", padding=3)
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("GB/s, one direction (log scale)")
-    ax.set_title("What this machine moves, and what GPU links are built for", fontsize=10)
+    ax.set_title("What this machine moves, and what GPU links are built for")
     fig.tight_layout()
     return fig
 
@@ -99,8 +98,8 @@ def plot_busbw_factors(world_sizes=range(2, 17)):
     ax.set_xlabel("ranks n")
     ax.set_ylabel("busbw / algbw")
     ax.set_ylim(0, 2.1)
-    ax.set_title("busbw = algbw x factor(n), nccl-tests' factors (doc/PERFORMANCE.md)", fontsize=10)
-    ax.legend(fontsize=8, frameon=False)
+    ax.set_title("busbw = algbw x factor(n), nccl-tests' factors (doc/PERFORMANCE.md)")
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
 

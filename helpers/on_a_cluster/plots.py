@@ -27,9 +27,9 @@ def plot_requeued(moments: list, events: list, submitted: float, requeued: float
             life.axvspan(moment.time - submitted, end - submitted, color=colour, zorder=0)
             if moment.reason not in ("None", ""):  # the legend names the state; this, why
                 life.annotate(f"reason: {moment.reason}",
-                              ((moment.time + end) / 2 - submitted, 1.0), xytext=(0, -11),
+                              ((moment.time + end) / 2 - submitted, 1.0), xytext=(0, 3),
                               xycoords=("data", "axes fraction"), textcoords="offset points",
-                              fontsize=8, color="#555555", ha="center")
+                              color="#555555", ha="center", va="bottom")
     markers = {"step": ("|", 10), "saved": ("v", 6), "stopping": ("s", 6), "started": (">", 6)}
     for event in events:
         marker, size = markers.get(event["event"], (None, 0))
@@ -41,10 +41,10 @@ def plot_requeued(moments: list, events: list, submitted: float, requeued: float
                   else COLORS[restart])
         if event["event"] == "started":
             life.annotate(event["node"], (event["time"] - submitted, event["rank"]),
-                          xytext=(-4, 5), textcoords="offset points", fontsize=7, ha="right")
+                          xytext=(-4, 5), textcoords="offset points", ha="right")
     life.axvline(requeued - submitted, color=SIGNAL, linestyle="--", linewidth=1.2)
     life.annotate("scontrol requeue: SIGTERM", (requeued - submitted, 0.5), xytext=(4, 0),
-                  xycoords=("data", "axes fraction"), textcoords="offset points", fontsize=8,
+                  xycoords=("data", "axes fraction"), textcoords="offset points",
                   color=SIGNAL)
     life.set_yticks(ranks, [f"rank {rank}" for rank in ranks])
     life.set_ylim(-0.7, len(ranks) - 0.3)
@@ -55,8 +55,8 @@ def plot_requeued(moments: list, events: list, submitted: float, requeued: float
                 for name, (marker, _) in markers.items()]
     handles += [Patch(color=COLORS[0], label="first run"),
                 Patch(color=COLORS[1], label="after the requeue")]
-    life.legend(handles=handles, fontsize=7, ncols=9, loc="upper center", frameon=False,
-                bbox_to_anchor=(0.5, -0.28))
+    life.legend(handles=handles, ncols=5, loc="upper center", frameon=False,
+                bbox_to_anchor=(0.5, -0.3))
     ordered = sorted(reference)
     curve.plot(ordered, [bits_per_byte(reference[step]) for step in ordered], color=GREY,
                linewidth=6, alpha=0.35, label="plain torchrun, one node, uninterrupted")
@@ -71,7 +71,7 @@ def plot_requeued(moments: list, events: list, submitted: float, requeued: float
                    label=f"Slurm, 2 nodes, {'first run' if restart == 0 else 'after the requeue'}")
     curve.set_xlabel("step")
     curve.set_ylabel("loss, bits per byte")
-    curve.legend(fontsize=8, frameon=False)
+    curve.legend(frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     return fig
 
@@ -92,7 +92,7 @@ def plot_sweep(results: dict):
                 color=COLORS[index % len(COLORS)], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss, bits per byte")
-    ax.legend(fontsize=8, frameon=False, title="array task", title_fontsize=8)
+    ax.legend(frameon=False, title="array task")
     fig.tight_layout()
     return fig
 

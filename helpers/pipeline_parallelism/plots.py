@@ -18,7 +18,7 @@ def plot_gantt(runs: dict, unit: str = "ms"):
     numbered by micro-batch, times from `start`; each title gives the measured bubble."""
     scale = {"ms": 1e3, "units": 1.0}[unit]
     rows = sum(len(events) for events, _ in runs.values())
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 0.45 * rows + 1.2 * len(runs)),
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 0.36 * rows + 0.9 * len(runs)),
                              sharex=True, squeeze=False)
     for ax, (title, (events, start)) in zip(axes[:, 0], runs.items()):
         for rank, rank_events in enumerate(events):
@@ -27,11 +27,10 @@ def plot_gantt(runs: dict, unit: str = "ms"):
                 ax.barh(rank, width, left=left, height=0.7, color=KIND_COLORS[event.kind],
                         edgecolor="white", linewidth=0.8)
                 ax.text(left + width / 2, rank, str(event.micro_batch), ha="center",
-                        va="center", color="white", fontsize=7)
-        ax.set_yticks(range(len(events)), [f"rank {r}" for r in range(len(events))],
-                      fontsize=8)
+                        va="center", color="white")
+        ax.set_yticks(range(len(events)), [f"rank {r}" for r in range(len(events))])
         ax.invert_yaxis()
-        ax.set_title(f"{title}: bubble {100 * bubble(events, start):.0f} %", fontsize=10)
+        ax.set_title(f"{title}: bubble {100 * bubble(events, start):.0f} %")
     longest = max((e.end - start) * scale for events, start in runs.values()
                   for rank in events for e in rank)
     axes[0, 0].set_xlim(0, longest * 1.01)  # shared by every chart
@@ -39,7 +38,7 @@ def plot_gantt(runs: dict, unit: str = "ms"):
     kinds = sorted({e.kind for events, _ in runs.values() for r in events for e in r},
                    key="FBW".index)
     handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLORS[k]) for k in kinds]
-    axes[0, 0].legend(handles, [KIND_NAMES[k] for k in kinds], fontsize=8, frameon=False,
+    axes[0, 0].legend(handles, [KIND_NAMES[k] for k in kinds], frameon=False,
                       ncols=len(kinds), loc="lower right", bbox_to_anchor=(1, 1.15))
     fig.tight_layout()
     return fig
@@ -69,9 +68,9 @@ def plot_bubbles(measured: dict, num_stages: int, ideal: dict | None = None):
                     mfc="none", color=COLORS[index], label=f"{name}, ideal times")
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble (% of the step)")
-    ax.set_title(f"p = {num_stages} stages", fontsize=10)
+    ax.set_title(f"p = {num_stages} stages")
     ax.set_ylim(0, 100)
-    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
 
@@ -87,10 +86,10 @@ def plot_memory(runs: dict):
             stored = [0.0] + [e.stored_bytes / 1e3 for e in rank_events]
             ax.step(times, stored, where="post", color=COLORS[rank % len(COLORS)],
                     label=f"rank {rank}")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title)
         ax.set_xlabel("time since the step began (ms)")
     axes[0, 0].set_ylabel("activations kept (kB)")
-    axes[0, -1].legend(fontsize=8, frameon=False)
+    axes[0, -1].legend(frameon=False)
     fig.tight_layout()
     return fig
 

@@ -16,7 +16,7 @@ def plot_chain(results: list):
         if rank:
             ax.annotate("", xy=(rank * 1.8, 0.5), xytext=(rank * 1.8 - 0.6, 0.5),
                         arrowprops={"arrowstyle": "->", "lw": 2})
-            ax.text(rank * 1.8 - 0.3, 0.62, "send", ha="center", fontsize=8)
+            ax.text(rank * 1.8 - 0.3, 0.62, "send", ha="center")
     ax.set_xlim(-0.2, 1.8 * len(results))
     ax.set_ylim(-0.2, 1.2)
     ax.set_title("Each rank receives from its left, doubles, and sends to its right")

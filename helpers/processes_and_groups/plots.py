@@ -18,7 +18,7 @@ def plot_threads_vs_processes(timings: dict, cores: int):
                                     (width / 2, "processes", color(0))):
         bars = ax.bar([p + offset for p in positions], timings[kind], width, label=kind,
                       color=bar_color)
-        ax.bar_label(bars, fmt="%.2f s", fontsize=8)
+        ax.bar_label(bars, fmt="%.2f s")
     ideal = [single * max(1.0, n / cores) for n in workers]
     ax.plot(positions, ideal, "k--", lw=1, label=f"ideal on {cores} cores")
     ax.set_xticks(list(positions), [f"{n} worker{'s' if n > 1 else ''}" for n in workers])

@@ -27,8 +27,8 @@ def plot_outputs(outputs: dict, world_size: int, every: int = 1):
         for rank in range(world_size):
             ax.add_patch(Rectangle((rank * width - 0.5, -0.5), width, out.shape[0],
                                    fill=False, edgecolor=color(rank), linewidth=3))
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel(f"feature / {every} (a box per rank's block)", fontsize=8)
+        ax.set_title(title)
+        ax.set_xlabel(f"feature / {every} (a box per rank's block)")
         ax.set_yticks([])
     axes[0, 0].set_ylabel("example")
     fig.tight_layout()
@@ -44,7 +44,7 @@ def _matrix(ax, x, y, width, height, pieces, along, label):
             box = (x, y + height - (rank + 1) * height / pieces, width, height / pieces)
         ax.add_patch(Rectangle(box[:2], *box[2:], facecolor=color(rank) if pieces > 1 else GREY,
                                edgecolor="white", linewidth=1.5, alpha=0.9))
-    ax.text(x + width / 2, y - 0.35, label, ha="center", va="top", fontsize=9)
+    ax.text(x + width / 2, y - 0.35, label, ha="center", va="top")
 
 
 def plot_sharded_mlp(world_size: int = 2):
@@ -61,19 +61,18 @@ def plot_sharded_mlp(world_size: int = 2):
         offset = 0.12 * (world_size - 1 - rank)
         ax.add_patch(Rectangle((9.6 + offset, 1 - offset), 1.2, 2, facecolor=color(rank),
                                edgecolor="white", linewidth=1.5, alpha=0.95))
-    ax.text(10.3, 3.2, "Y_r B_r (b x h) on rank r:\npartial sums", ha="center", va="bottom",
-            fontsize=9)
+    ax.text(10.3, 3.2, "Y_r B_r (b x h) on rank r:\npartial sums", ha="center", va="bottom")
     ax.annotate("g", (11.75, 2.35), fontsize=16, ha="center", va="center", fontweight="bold")
     _matrix(ax, 12.3, 1, 1.2, 2, 1, "columns", "Z (b x h)\nsummed: on every rank")
     for start, end in ((1.25, 2.55), (4.65, 5.15), (7.25, 7.75), (9.05, 9.55), (11.3, 12.25)):
         ax.annotate("", (end, 2.0), (start, 2.0), arrowprops={"arrowstyle": "->", "color": GREY})
-    ax.text(5.2, 3.75, "no communication between f and g", ha="center", fontsize=9,
+    ax.text(5.2, 3.75, "no communication between f and g", ha="center",
             color=GREY)
     ax.set_xlim(-0.2, 13.7)
     ax.set_ylim(-0.6, 4.1)
     ax.axis("off")
     ax.set_title(f"The paper's MLP on {world_size} ranks: f is an all-reduce in backward, g one "
-                 "in forward", fontsize=10)
+                 "in forward")
     fig.tight_layout()
     return fig
 
@@ -94,11 +93,10 @@ def plot_activation_memory(measured: dict, s: int, b: int, h: int, a: int):
                 label="measured" if x == 0 else None)
         labels.append(f"t = {t}\n{'TP + SP' if sequence_parallel else 'TP'}" if t > 1
                       else "t = 1\none rank")
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("activations kept per rank (kB)")
-    ax.set_title(f"One block, b = {b}, s = {s}, h = {h}, {a} heads: bars are the formula",
-                 fontsize=10)
-    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title(f"One block, b = {b}, s = {s}, h = {h}, {a} heads: bars are the formula")
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
 
@@ -117,8 +115,8 @@ def plot_communication_share(measured: dict, s: int, b: int, widths: list, links
     left.set_xlabel("hidden size h")
     left.set_ylabel("% of forward + backward\nin collectives")
     left.set_ylim(0, 100)
-    left.set_title("measured here: gloo, CPU", fontsize=10)
-    left.legend(fontsize=8, frameon=False)
+    left.set_title("measured here: gloo, CPU")
+    left.legend(frameon=False)
     for index, link in enumerate(links):
         shares = []
         for h in widths:
@@ -128,8 +126,8 @@ def plot_communication_share(measured: dict, s: int, b: int, widths: list, links
     right.set_xscale("log", base=2)
     right.set_xlabel("hidden size h")
     right.set_ylim(0, 100)
-    right.set_title(f"projected: {t} ranks, s = {s}, b = {b}, bf16, H100 peak", fontsize=10)
-    right.legend(fontsize=8, frameon=False)
+    right.set_title(f"projected: {t} ranks, s = {s}, b = {b}, bf16, H100 peak")
+    right.legend(frameon=False)
     fig.tight_layout()
     return fig
 

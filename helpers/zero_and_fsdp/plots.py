@@ -7,7 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from helpers.drawing import COLORS, plot_step_timelines
+from helpers.drawing import COLORS, legend_outside, plot_step_timelines
 from helpers.zero_and_fsdp.memory import BYTES_PER_PARAMETER, PARTS, bytes_per_rank
 from helpers.zero_and_fsdp.workers import STAGE_1_2_LABELS
 
@@ -40,7 +40,7 @@ def plot_memory(measured: dict, num_parameters: int, precision: str = "float32",
     formula's total for each (memory.bytes_per_rank) as a black tick; `gathered`,
     {world_size: bytes}, adds ZeRO-3's peak of gathered weights on top of its bar, hatched."""
     world_sizes = list(measured)
-    fig, axes = plt.subplots(1, len(world_sizes), figsize=(3.2 * len(world_sizes), 3.2),
+    fig, axes = plt.subplots(1, len(world_sizes), figsize=(3.3 * len(world_sizes), 3.2),
                              sharey=True, squeeze=False)
     for ax, world_size in zip(axes[0], world_sizes):
         stages = list(measured[world_size])
@@ -53,11 +53,10 @@ def plot_memory(measured: dict, num_parameters: int, precision: str = "float32",
             formula = bytes_per_rank(num_parameters, world_size, stage, precision)["total"]
             ax.plot([x - 0.38, x + 0.38], [formula / 1e3] * 2, color="black", linewidth=2,
                     label="formula" if x == 0 else None)
-        ax.set_xticks(range(len(stages)), [STAGE_NAMES[stage] for stage in stages], fontsize=8)
-        ax.set_title(f"{world_size} rank{'s' if world_size > 1 else ''}", fontsize=10)
+        ax.set_xticks(range(len(stages)), [STAGE_NAMES[stage] for stage in stages])
+        ax.set_title(f"{world_size} rank{'s' if world_size > 1 else ''}")
     axes[0, 0].set_ylabel(f"bytes held per rank (kB)\n{precision} accounting")
-    axes[0, -1].legend(fontsize=8, frameon=False)
-    fig.tight_layout()
+    legend_outside(fig, axes[0, -1].get_legend_handles_labels()[0], ncols=3)
     return fig
 
 
@@ -82,7 +81,7 @@ def plot_communication(sent: dict, world_size: int, num_parameters: int):
     ax.set_xticks(range(len(stages)), [STAGE_NAMES[stage] for stage in stages])
     ax.set_ylabel(f"kB sent per rank per step\n({world_size} ranks)")
     ax.set_ylim(0, 1.7 * data_parallel)
-    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
 
@@ -97,15 +96,15 @@ def plot_calculator(num_parameters: float, world_size: int, precision: str = "mi
         held = bytes_per_rank(num_parameters, world_size, stage, precision)
         totals.append(_stacked(ax, stage, held, 0.6, 1e9, label_parts=stage == 0))
         ax.text(stage, totals[-1] / 1e9, f"{totals[-1] / 1e9:.1f} GB", ha="center",
-                va="bottom", fontsize=8)
+                va="bottom")
     ax.axhline(memory_gb, color="black", linestyle="--", linewidth=1)
-    ax.text(3.4, memory_gb, f"{memory_gb:g} GB", fontsize=8, va="bottom", ha="right")
+    ax.text(3.4, memory_gb, f"{memory_gb:g} GB", va="bottom", ha="right")
     ax.set_xticks(range(4), [STAGE_NAMES[stage] for stage in range(4)])
     ax.set_ylabel("model states per rank (GB)")
     ax.set_ylim(0, max(max(totals) / 1e9, memory_gb) * 1.18)
     ax.set_title(f"{num_parameters / 1e9:g} B parameters, {world_size} ranks, {precision} "
-                 "precision with Adam", fontsize=10)
-    ax.legend(fontsize=8, frameon=False, loc="upper right")
+                 "precision with Adam")
+    ax.legend(frameon=False, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -119,13 +118,13 @@ def plot_bytes_per_parameter():
             ax.barh(y, parts[part], left=left, color=PART_COLORS[part], edgecolor="white",
                     label=part if y == 0 else None)
             ax.text(left + parts[part] / 2, y, f"{parts[part]}", ha="center", va="center",
-                    color="white", fontsize=9, fontweight="bold")
+                    color="white", fontweight="bold")
             left += parts[part]
     ax.set_yticks([0, 1], list(BYTES_PER_PARAMETER))
     ax.set_xticks(np.arange(0, 17, 2))
     ax.set_xlabel("bytes per parameter")
     ax.invert_yaxis()
-    ax.legend(fontsize=8, frameon=False, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1))
+    ax.legend(frameon=False, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1))
     fig.tight_layout()
     return fig
 
