@@ -40,6 +40,9 @@ from helpers.launcher.report import (
 from helpers.rules import CallRecorder, RuleBroken
 
 HTML_WIDTH = 100  # characters a line of a checker's message takes, shown as HTML (_wrapped)
+# A line of a message longer than this (a long task's statement, about 8 lines of a slide) is shown
+# folded in HTML, under its label ("The task"), so that the message fits a slide: a click unfolds it
+FOLDED_LINE = 800
 
 
 @dataclass
@@ -94,11 +97,27 @@ class CheckResult:
         return "\n".join([f"[{mark}] {self.exercise}", *self.lines])
 
     def _repr_html_(self):
+        """The message, green or red; a line longer than FOLDED_LINE folded under its label (the
+        words before its first colon), to be unfolded with a click."""
         import html
 
         color = "#2e7d32" if self.passed else "#c62828"
-        return (f"<pre style='border-left: 4px solid {color}; padding-left: 8px'>"
-                f"{html.escape(_wrapped(repr(self)))}</pre>")
+        style = f"border-left: 4px solid {color}; padding-left: 8px"
+        shown, kept = [], []
+        for line in repr(self).split("\n"):
+            label, colon, _ = line.partition(": ")
+            if len(line) <= FOLDED_LINE or not colon:
+                kept.append(line)
+                continue
+            if kept:
+                shown.append(f"<pre style='{style}'>{html.escape(_wrapped(chr(10).join(kept)))}"
+                             "</pre>")
+                kept = []
+            shown.append(f"<details style='{style}'><summary>{html.escape(label)} (a click "
+                         f"unfolds it)</summary><pre>{html.escape(_wrapped(line))}</pre></details>")
+        if kept:
+            shown.append(f"<pre style='{style}'>{html.escape(_wrapped(chr(10).join(kept)))}</pre>")
+        return "".join(shown)
 
 
 def _wrapped(text: str, width: int = HTML_WIDTH) -> str:

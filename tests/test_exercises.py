@@ -163,6 +163,18 @@ def test_a_message_shown_as_html_is_cut_to_the_width_of_a_slide():
     assert '  File "mine.py", line 3, in f' in body.split("\n")
 
 
+def test_a_long_task_is_folded_under_its_label_in_html_and_shown_whole_in_text():
+    task = "The task: " + "train it so " * 100  # 1,210 characters
+    result = exercises.CheckResult("an_exercise", False, ["waiting for your code", task])
+    shown = result._repr_html_()
+    assert repr(result) == f"[NOT YET] an_exercise\nwaiting for your code\n{task}"
+    before, folded = shown.split("<details", 1)
+    assert "waiting for your code" in before and "train it" not in before
+    assert "<summary>The task (a click unfolds it)</summary>" in folded
+    body = html.unescape(folded[folded.index("<pre>") + 5:folded.index("</pre>")])
+    assert body.split() == task.split()
+
+
 def _gives_back_zeros(rank, world_size, tensor):
     return torch.zeros_like(tensor)
 

@@ -222,9 +222,13 @@ def who_listens(port: int) -> list:
     return sorted(set(re.findall(r'\(\("([^"]+)"', done.stdout)))
 
 
-def show(outcomes: dict, width: int = 100) -> None:
+def show(outcomes: dict, part: int | None = None, width: int = 100) -> None:
     """Each mistake: what was done, the line that changed, how the job ended, what it said, and
-    the fix; lines wrapped at `width` characters (a slide's)."""
+    the fix; lines wrapped at `width` characters (a slide's). `part` 1 or 2: the first half of
+    the mistakes, or the rest (a slide holds half)."""
+    from helpers.notebook import half_of
+
+    outcomes = dict(half_of(list(outcomes.items()), part))
 
     def say(label: str, text: str) -> None:
         print(textwrap.fill(text, width, initial_indent=f"    {label:<18}",

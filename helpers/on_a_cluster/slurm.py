@@ -106,13 +106,16 @@ def added_environment(cluster: Cluster) -> dict:
             if os.environ.get(name) != value}
 
 
-def show_added_environment(cluster: Cluster) -> None:
+def show_added_environment(cluster: Cluster, part: int | None = None) -> None:
     """What slurm.submit adds to this kernel's environment for a job, variable by variable: why it
-    is here, and what it would do on two real machines. Paths are shown by what they name."""
+    is here, and what it would do on two real machines. Paths are shown by what they name.
+    `part` 1 or 2: the first half of the variables, or the rest (a slide holds half)."""
+    from helpers.notebook import half_of
+
     shown = {"PATH": "<this Python's folder>:$PATH", "PYTHONPATH": "<the repository>:$PYTHONPATH",
              "RDZV_PORT": "<a free port>", "SLURM_CONF": "<the cluster's folder>/slurm.conf"}
     job = job_environment(cluster)
-    for name, (why, real) in ADDED.items():
+    for name, (why, real) in half_of(list(ADDED.items()), part):
         print(f"{name}={shown.get(name, job[name])}\n    here: {why}\n"
               f"    on two real nodes: {real}")
 
@@ -237,12 +240,19 @@ def last_step(directory: str) -> int:
 SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sweep.sbatch")
 
 
-def show_script(path: str):
-    """A batch script, highlighted, as the notebook shows it."""
+def show_script(path: str, part: int | None = None):
+    """A batch script, highlighted, as the notebook shows it. One longer than a slide holds is
+    shown in parts, a cell each: `show_script(path, part=1)`, then `part=2`, ... (cut at blank
+    lines: helpers.notebook.paragraph_parts)."""
     from IPython.display import Code
 
+    from helpers.notebook import paragraph_parts, part_of
+
     with open(path) as file:
-        return Code(file.read(), language="bash")
+        text = file.read()
+    if part is not None:
+        text = part_of(paragraph_parts(text), part, os.path.basename(path))
+    return Code(text, language="bash")
 
 
 def states(moments: list) -> str:
