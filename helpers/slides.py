@@ -146,6 +146,9 @@ def _paragraphs(lines: list) -> list:
 # A sub-slide shows its point, and the speaker notes hold the rest (docs/presenting.md): at most
 # this many words of prose on one, in every lesson.
 WORDS_ON_A_SUB_SLIDE = 60
+# The smallest text a figure may show, in px as a 1280 x 720 slide displays it (helpers.drawing
+# sizes the course's text above it; the slides tier measures every figure as displayed).
+FIGURE_TEXT_PX = 14
 
 
 def prose_words(sub_slide: list) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from browser import CHROMIUM_ARGS, chromium, needs_chromium
 
-from helpers import present, slides
+from helpers import drawing, present, slides
 
 REPO = Path(__file__).resolve().parent.parent
 SCREENSHOTS = REPO / "test-artifacts" / "browser"
@@ -220,6 +220,12 @@ def test_lesson_05_stepper_slider_redraws_the_ring(page):
 SCREEN = {"width": 1280, "height": 720}
 # notebooks/rise.css's sizes: no text on a slide is smaller (the cells' prompts aside)
 PROSE_PX, CODE_PX = 18, 16
+# A figure on screen is known by the length of its data: URL and its last this many characters
+# (a PNG's ends with its last compressed bytes, its checksums and its IEND chunk)
+FIGURE_KEY, PNG = 120, "image/png"
+# The sub-slides that may be taller than the screen, each with why: by lesson, the first line of
+# the sub-slide's first cell. The tier fails on any other, and on one listed that fits.
+TALLER_THAN_THE_SCREEN = {}
 # A word narrower than this share of its cell's width fits a line of it (the rest: the cell's
 # padding and prompt), so a wrap must not cut it; a wider one may be cut.
 WORD_FITS = 0.8
@@ -304,13 +310,35 @@ MEASURE = f"""() => {{
       return sum + copy.innerText.split(/\\s+/).filter(word => /[\\p{{L}}\\p{{N}}]/u.test(word))
         .length;
     }}, 0);
+  // the figures on screen (data: PNGs, as JupyterLab shows an output's), each by its length and
+  // its end, with its width as displayed and its own
+  const figures = Array.from(present.querySelectorAll('img'))
+    .filter(img => img.getClientRects().length && img.src.startsWith('data:image/png;base64,'))
+    .map(img => {{ const src = img.src.replace(/\\s/g, '');
+                   return [src.length, src.slice(-{FIGURE_KEY}), img.getBoundingClientRect().width,
+                           img.naturalWidth]; }});
   const number = document.querySelector('.reveal .slide-number');
   return {{number: number && getComputedStyle(number).display !== 'none' ? [number.innerText.trim(),
           parseFloat(getComputedStyle(number.querySelector('span') || number).fontSize)] : null,
           height: present.scrollHeight, scrolls: present.scrollHeight > present.clientHeight + 1,
           bottom: present.getBoundingClientRect().bottom, hash: window.location.hash,
-          wide: wide, broken: broken, smallest: smallest, prose: prose, words: words}};
+          wide: wide, broken: broken, smallest: smallest, prose: prose, words: words,
+          figures: figures}};
 }}"""
+
+
+def _figure_texts(cells) -> dict:
+    """The smallest text of each figure the lesson's outputs hold, in its PNG's pixels (drawn in a
+    kernel, its metadata says: helpers.drawing.figure_bundle), by the figure's key as MEASURE
+    reads an image on screen: the length of its data: URL and the URL's end."""
+    found = {}
+    for cell in cells:
+        for output in cell.get("outputs", []):
+            if PNG in output.get("data", {}):
+                url = "data:image/png;base64," + "".join(output["data"][PNG].split())
+                found[len(url), url[-FIGURE_KEY:]] = output.get("metadata", {}).get(
+                    PNG, {}).get(drawing.SMALLEST_TEXT)
+    return found
 
 
 # Resolves once the sub-slide on screen has stood still for two frames in a row (or after 1.5 s).
@@ -479,10 +507,12 @@ def _move_a_widget(page, lab, lesson, cells, plan):
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name[:2])
 def test_the_lesson_as_slides(lab, lesson):
     """The lesson as RISE shows it (jupyterlab-rise's page, as Alt+R or `make present` opens it)
-    on a 1280 x 720 screen, with notebooks/rise.css: the slides helpers.slides wrote; each no
-    taller than the screen but a code cell alone, whose bottom the mouse wheel brings into view;
-    no output's text past the right edge; no text smaller than rise.css's sizes; and, where the
-    lesson has an ipywidget, the first one run live in the slides, its slider moved, redraws."""
+    on a 1280 x 720 screen, with notebooks/rise.css: the slides helpers.slides wrote; none taller
+    than the screen (but those TALLER_THAN_THE_SCREEN lists, whose bottom the mouse wheel must
+    bring into view); no output's text past the right edge; no text smaller than rise.css's
+    sizes, no figure's text smaller than helpers.slides.FIGURE_TEXT_PX as it is displayed; and,
+    where the lesson has an ipywidget, the first one run live in the slides, its slider moved,
+    redraws."""
     from playwright.sync_api import sync_playwright
 
     cells = json.loads(lesson.read_text())["cells"]
@@ -490,6 +520,9 @@ def test_the_lesson_as_slides(lab, lesson):
     places = [(h, v) for h, slide in enumerate(slides.slides(cells)) for v in range(len(slide))]
     too_tall, scrolled, too_wide, broken, numbers, words, widget = [], [], [], [], [], [], None
     smallest = prose = (1000, "")
+    texts, figure_text, unknown = _figure_texts(cells), (1000.0, None), []
+    allowed = TALLER_THAN_THE_SCREEN.get(lesson.stem, {})
+    excepted = set()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
         try:
@@ -512,13 +545,21 @@ def test_the_lesson_as_slides(lab, lesson):
                 broken += [(index, word) for word in measured["broken"]]
                 smallest = min(smallest, tuple(measured["smallest"]))
                 prose = min(prose, tuple(measured["prose"]))
+                for length, end, shown, natural in measured["figures"]:
+                    text = texts.get((length, end))
+                    if text is None:
+                        unknown.append(index)
+                    else:  # its smallest text, in px as the slide scales the figure
+                        figure_text = min(figure_text, (round(text * shown / natural, 1), index))
                 height = measured["height"]
+                first = "".join(sub_slide[0]["source"]).split("\n")[0]
                 if measured["scrolls"]:
                     bottom = _bottom_reached(page, height)
                     scrolled.append((index, height, bottom))
-                    alone = len(sub_slide) == 1 and sub_slide[0]["cell_type"] == "code"
-                    if not (alone and bottom):
-                        too_tall.append((index, height, "".join(sub_slide[0]["source"])[:60]))
+                    if first in allowed and bottom:
+                        excepted.add(first)
+                    else:
+                        too_tall.append((index, height, first[:60]))
                 elif measured["bottom"] > SCREEN["height"] + 1:
                     too_tall.append((index, height, "ends below the screen"))
                 page.keyboard.press("Space")
@@ -532,12 +573,17 @@ def test_the_lesson_as_slides(lab, lesson):
                   f"{scrolled}; words past the right edge (index, right, edge, start): "
                   f"{too_wide}; words cut by a wrap (index, word): {broken}; "
                   f"smallest text: {smallest[0]:g} px ({smallest[1]!r}), prose: "
-                  f"{prose[0]:g} px ({prose[1]!r}); words of prose on screen: at most "
+                  f"{prose[0]:g} px ({prose[1]!r}); smallest text in a figure, as displayed: "
+                  f"{figure_text[0]:g} px (sub-slide {figure_text[1]}); words of prose on "
+                  f"screen: at most "
                   f"{max(words, default=0)}, over {slides.WORDS_ON_A_SUB_SLIDE} on "
                   f"{sum(count > slides.WORDS_ON_A_SUB_SLIDE for count in words)}; the first "
                   f"widget run live and moved (sub-slide, px, bottom reached, step before -> "
                   f"after): {widget}")
     assert too_tall == []
+    assert set(allowed) == excepted, f"listed as too tall, but they fit: {set(allowed) - excepted}"
+    assert unknown == [], f"figures whose text size no output's metadata says, on {unknown}"
+    assert figure_text[0] >= slides.FIGURE_TEXT_PX, figure_text
     assert too_wide == []
     assert broken == []
     # each sub-slide shows its number of the lesson's, at the code's size or larger

@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from helpers import notebook, slides
+from helpers import drawing, notebook, slides
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob(
     "[0-9][0-9]_*.ipynb"))
@@ -136,6 +136,21 @@ def test_no_cell_draws_two_figures(path):
         assert figures <= 1, "".join(cell["source"])[:80]
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_every_figure_says_how_large_its_smallest_text_is_and_a_hall_can_read_it(path):
+    """Drawn in a kernel, a figure's PNG carries the size of its smallest text in the PNG's pixels
+    (helpers.drawing.figure_bundle): at least the floor, shown at its own size. The slides tier
+    measures it as a 1280 x 720 slide scales it."""
+    small = []
+    for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+        for output in cell.get("outputs", []):
+            if "image/png" in output.get("data", {}):
+                size = output["metadata"].get("image/png", {}).get(drawing.SMALLEST_TEXT)
+                if size is None or size < slides.FIGURE_TEXT_PX:
+                    small.append((index, size))
+    assert small == [], f"cells whose figure's text is under {slides.FIGURE_TEXT_PX} px: {small}"
+
+
 def test_a_listing_longer_than_a_slide_is_cut_between_statements_into_even_parts():
     """61 lines, a comment over each statement: cut only above a comment, into the fewest parts
     that hold 26 lines each with their line that says which part continues or follows (two hold
@@ -199,6 +214,61 @@ def test_show_code_says_which_part_continues_and_which_follows():
     assert second.startswith("# async_save_worker, part 2 of 2\n    ")
     with pytest.raises(ValueError, match="async_save_worker has 2 part"):
         notebook.show_code(resume.async_save_worker, part=3)
+
+
+def test_a_script_longer_than_a_slide_is_cut_at_blank_lines_into_even_parts():
+    paragraph = [f"echo {k}\n" for k in range(10)]  # four paragraphs of 10 lines: 43 in all
+    text = "".join(paragraph + ["\n"] + paragraph + ["\n"] + paragraph + ["\n"] + paragraph)
+    lines = text.splitlines(keepends=True)
+    # two parts: after the second blank line (22 + 1 lines shown, and 21 + 1); a cut after the
+    # first or the third would leave a part of 33 or 34
+    assert notebook.paragraph_parts(text) == ["".join(lines[:22]), "".join(lines[22:])]
+    assert notebook.paragraph_parts(text, limit=43) == [text]
+    # no blank line where a cut would make the parts fit: cut at every one
+    assert notebook.paragraph_parts(text, limit=5) == [
+        "".join(lines[:11]), "".join(lines[11:22]), "".join(lines[22:33]), "".join(lines[33:])]
+
+
+def test_the_capstones_batch_script_is_shown_whole_in_parts_that_fit():
+    from helpers.on_a_cluster import slurm
+
+    with open(slurm.SCRIPT) as file:
+        script = file.read()
+    pieces = notebook.paragraph_parts(script)
+    assert len(pieces) > 1 and "".join(pieces) == script
+    shown = [slurm.show_script(slurm.SCRIPT, part=part).data
+             for part in range(1, len(pieces) + 1)]
+    assert [len(text.splitlines()) for text in shown] == [
+        len(piece.splitlines()) + 1 for piece in pieces]  # each with its line of which part
+    assert all(len(text.splitlines()) <= notebook.LISTING_LINES for text in shown)
+    assert shown[1].startswith(f"# {pathlib.Path(slurm.SCRIPT).name}, part 2 of {len(pieces)}\n")
+    # and lesson 15 shows every part, in order, a cell each
+    lesson = next(path for path in NOTEBOOKS if path.name.startswith("15_"))
+    cells = ["".join(cell["source"]) for cell in json.loads(lesson.read_text())["cells"]]
+    assert [cell for cell in cells if "show_script(slurm.SCRIPT" in cell] == [
+        f"slurm.show_script(slurm.SCRIPT, part={part})" for part in range(1, len(pieces) + 1)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_a_printout_shown_in_two_halves_is_shown_in_both_one_a_cell_in_order(path):
+    """A call with part=1 that is not a listing (a printout helpers.notebook.half_of halves) is
+    followed, in the next code cell, by the same call with part=2."""
+    cells = ["".join(cell["source"]) for cell in json.loads(path.read_text())["cells"]
+             if cell["cell_type"] == "code"]
+    for index, cell in enumerate(cells):
+        for call, arguments in re.findall(r"([\w.]+)\(([^()]*), part=1\)", cell):
+            if call.endswith(("show_code", "show_script")):
+                continue  # listings: their own tests count their parts
+            assert re.search(rf"{re.escape(call)}\({re.escape(arguments)}, part=2\)",
+                             cells[index + 1]), (path.name, call, arguments)
+
+
+def test_a_printout_in_two_halves_shows_every_item_once():
+    assert notebook.half_of([1, 2, 3, 4, 5], None) == [1, 2, 3, 4, 5]
+    assert notebook.half_of([1, 2, 3, 4, 5], 1) == [1, 2, 3]
+    assert notebook.half_of([1, 2, 3, 4, 5], 2) == [4, 5]
+    with pytest.raises(ValueError, match="part is 1 or 2"):
+        notebook.half_of([1, 2], 3)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
