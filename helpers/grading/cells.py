@@ -16,8 +16,6 @@ import re
 import symtable
 from dataclasses import dataclass
 
-import nbformat
-
 CHECK_CALL = re.compile(r'^\s*check\(\s*["\'](\w+)["\']', re.M)
 
 
@@ -34,6 +32,10 @@ class Answer:
 
 def read(path) -> list:
     """The notebook's code cells as (index, source, metadata); Unreadable if it is no notebook."""
+    # imported here: nbformat's schema checker takes a second and more to import, and a lesson's
+    # first check() imports every lesson's package, helpers.grading among them
+    import nbformat
+
     try:
         notebook = nbformat.read(str(path), as_version=4)
         return [(index, _runnable(cell.source), dict(cell.get("metadata", {})))
