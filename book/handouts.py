@@ -102,7 +102,7 @@ def slides_html(lesson: Path, out: Path) -> Path:
 
 # The slides' own sizes (notebooks/rise.css) set where JupyterLab's RISE sets them.
 HANDOUT_CSS = """
-body { --jp-content-font-size1: 18px; --jp-code-font-size: 16px; }
+body { --jp-content-font-size1: 20px; --jp-code-font-size: 16px; }
 .reveal .slides { text-align: left; }
 .reveal h1, .reveal h2, .reveal h3, .reveal h4 { text-transform: none; }  /* as in the notebook */
 /* A margin on the paper, for a printer's edge and a student's notes. */
@@ -116,8 +116,12 @@ html.print-pdf .reveal .slides > section:last-child > .speaker-notes-pdf:last-ch
 """
 
 # In the print view, each sub-slide's page holds its section: one taller or wider than the page is
-# zoomed out until it fits. Returns each scale under 1, by page.
+# zoomed out until it fits. Returns each scale under 1, by page. What a closed <details> folds
+# away (a long listing's rest: helpers.notebook) is not printed, though Chromium still gives it a
+# box, as tall as it would be open: it is not measured.
+SHOWN = "const shown = (element) => element.checkVisibility();"
 FIT_TO_PAGE = """() => {
+  """ + SHOWN + """
   const scales = {};
   document.querySelectorAll('.reveal .pdf-page').forEach((page, index) => {
     const section = page.querySelector('section');
@@ -127,7 +131,7 @@ FIT_TO_PAGE = """() => {
     // of code or output wider than the page (it does not wrap) counts too.
     const height = page.clientHeight - 4, tall = section.scrollHeight;
     const left = section.getBoundingClientRect().left, width = page.clientWidth;
-    const wide = Math.max(0, ...[...section.querySelectorAll('*')].map(
+    const wide = Math.max(0, ...[...section.querySelectorAll('*')].filter(shown).map(
       (element) => element.getBoundingClientRect().right - left));
     if (tall > height || wide > width) {
       const scale = Math.min(height / tall, width / wide, 1);
@@ -146,10 +150,11 @@ FIT_TO_PAGE = """() => {
 # As printed: the pages whose sub-slide still reaches below them (printing would draw the rest
 # over the next page) or past their right edge (cut off).
 OVERHANGING = """() => [...document.querySelectorAll('.reveal .pdf-page')].flatMap((page, i) => {
+  """ + SHOWN + """
   const section = page.querySelector('section');
   if (!section) return [];
   const box = (element) => element.getBoundingClientRect();
-  const past = (edge) => Math.max(...[section, ...section.querySelectorAll('*')].map(
+  const past = (edge) => Math.max(...[section, ...section.querySelectorAll('*')].filter(shown).map(
     element => box(element)[edge])) - box(page)[edge];
   return past('bottom') > 0.5 || past('right') > 1 ? [i + 1] : [];
 })"""
