@@ -145,7 +145,7 @@ def plot_step_timelines(runs: dict, what: str = "measured", collectives=("all_re
     what the hatched spans wait for (by default, the collectives)."""
     lanes = 2 * max(len(run["events"]) for run in runs.values())
     fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
-                             figsize=(9, 0.3 * lanes * len(runs) + 1.3))
+                             figsize=(9, 0.27 * lanes * len(runs) + 1.3))
     for ax, (title, run) in zip(axes[:, 0], runs.items()):
         ticks, labels = draw_step(ax, run["events"], collectives)
         ax.set_yticks(ticks, labels)

@@ -110,7 +110,7 @@ def plot_placements(found: dict, places: list, title: str):
     a row), a column per rank labelled with its grid coordinates; each cell says which piece of
     that weight the rank holds, coloured by the piece (grey: all of it; blank: none)."""
     rows = _rows(found)
-    fig, ax = plt.subplots(figsize=(1.05 * len(places) + 2.2, 0.3 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(1.05 * len(places) + 2.2, 0.25 * len(rows) + 1.5))
     for row, (_, placed) in enumerate(rows):
         for rank, where in enumerate(placed):
             if where == "-":

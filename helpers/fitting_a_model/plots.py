@@ -18,7 +18,7 @@ def plot_kept(measured: dict, formula: dict, shape: dict):
     """Bytes one Block keeps for backward, {(kernel, mode): bytes} measured, as bars grouped by
     attention kernel; the formula's value (checkpointing.kept_formula) is a black tick on each.
     `shape`: the block's s, b, h, a, for the title."""
-    fig, ax = plt.subplots(figsize=(9, 3.3))
+    fig, ax = plt.subplots(figsize=(9, 3.0))
     width = 0.8 / len(MODES)
     for index, mode in enumerate(MODES):
         xs = [k + (index - (len(MODES) - 1) / 2) * width for k in range(len(KERNELS))]
