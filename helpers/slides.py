@@ -29,9 +29,9 @@ import uuid
 from helpers.notebook import without_heartbeats
 
 SCREEN_WIDTH, BUDGET = 1280, 600  # pixels of a slide's content, below the slide's margins
-# At notebooks/rise.css's sizes: prose 18 px (a line of 110 characters at most), code and outputs
+# At notebooks/rise.css's sizes: prose 20 px (a line of 99 characters at most), code and outputs
 # 16 px in lines of 22.4 px (an output line of 115 characters at most).
-PROSE_LINE, HEADING_LINE, BLANK_LINE, PROSE_WIDTH = 26, 48, 12, 110
+PROSE_LINE, HEADING_LINE, BLANK_LINE, PROSE_WIDTH = 29, 53, 12, 99
 CODE_LINE, OUTPUT_LINE, OUTPUT_WIDTH = 23, 23, 115
 CELL_MARGIN, OUTPUT_MARGIN = 30, 8
 WIDGET = 320  # a widget's area

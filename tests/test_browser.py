@@ -219,7 +219,7 @@ def test_lesson_05_stepper_slider_redraws_the_ring(page):
 
 SCREEN = {"width": 1280, "height": 720}
 # notebooks/rise.css's sizes: no text on a slide is smaller (the cells' prompts aside)
-PROSE_PX, CODE_PX = 18, 16
+PROSE_PX, CODE_PX = 20, 16
 # A figure on screen is known by the length of its data: URL and its last this many characters
 # (a PNG's ends with its last compressed bytes, its checksums and its IEND chunk)
 FIGURE_KEY, PNG = 120, "image/png"
