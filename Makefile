@@ -264,6 +264,7 @@ benchmark: setup
 	$(PY) benchmarks/weights.py
 	$(PY) benchmarks/bfloat16.py
 	$(PY) benchmarks/openmp_wait.py
+	$(PY) benchmarks/topology.py
 
 clean:
 	rm -rf $(VENV) .venv-* .pytest_cache
