@@ -15,25 +15,33 @@ import pytest
 
 from helpers.capstone.job import arguments_for, records
 from helpers.on_a_cluster import cluster as cluster_module
+from helpers.on_a_cluster import network as network_module
 from helpers.on_a_cluster import slurm, training
 from helpers.on_a_cluster.cluster import Cluster, ClusterUnavailable, unavailable
+from helpers.on_a_cluster.network import Network, NetworkUnavailable
 
 needs_cluster = pytest.mark.skipif(
     unavailable() is not None and not os.environ.get("REQUIRE_CLUSTER"),
     reason=f"no cluster here: {unavailable()}")
 
 
-def test_where_the_cluster_cannot_start_it_says_why(monkeypatch):
+@pytest.mark.parametrize("module, start, error, without_root, install", [
+    (cluster_module, Cluster.start, ClusterUnavailable, "not root",
+     "apt-get install slurm-wlm munge"),
+    (network_module, Network.start, NetworkUnavailable, "needs root", "apt-get install iproute2"),
+], ids=["cluster", "network"])
+def test_where_the_cluster_or_its_network_cannot_start_it_says_why(monkeypatch, module, start,
+                                                                   error, without_root, install):
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert "Linux" in unavailable()
+    assert "Linux" in module.unavailable()
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert "not root" in unavailable()
-    with pytest.raises(ClusterUnavailable, match="not root"):
-        Cluster.start()
+    assert without_root in module.unavailable()
+    with pytest.raises(error, match=without_root):
+        start()
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cluster_module.shutil, "which", lambda name, path=None: None)
-    assert "apt-get install slurm-wlm munge" in unavailable()
+    monkeypatch.setattr(module.shutil, "which", lambda name, path=None: None)
+    assert install in module.unavailable()
 
 
 @pytest.mark.cluster

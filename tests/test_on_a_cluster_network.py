@@ -1,6 +1,7 @@
 """The cluster's network (helpers.on_a_cluster.network): nodes that are network hosts, each in a
 network namespace of its own, joined through a switch by shaped links. Marked `cluster` (make
-cluster-tests): it needs root; elsewhere skipped, except under REQUIRE_CLUSTER=1 (CI)."""
+cluster-tests): it needs root; elsewhere skipped, except under REQUIRE_CLUSTER=1 (CI). Where it
+cannot start, what it says: tests/test_on_a_cluster.py."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from helpers.on_a_cluster import network as network_module
-from helpers.on_a_cluster.network import NETWORK, Network, NetworkUnavailable, unavailable
+from helpers.on_a_cluster.network import NETWORK, Network, unavailable
 
 needs_root = pytest.mark.skipif(
     unavailable() is not None and not os.environ.get("REQUIRE_CLUSTER"),
@@ -33,19 +34,6 @@ def on(network, node, *argv, **kwargs):
 def namespaces():
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
-
-
-def test_where_namespaces_cannot_be_made_it_says_why(monkeypatch):
-    monkeypatch.setattr(sys, "platform", "darwin")
-    assert "Linux" in unavailable()
-    monkeypatch.setattr(sys, "platform", "linux")
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert "root" in unavailable()
-    with pytest.raises(NetworkUnavailable, match="root"):
-        Network.start()
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(network_module.shutil, "which", lambda name, path=None: None)
-    assert "apt-get install iproute2" in unavailable()
 
 
 @pytest.mark.cluster
