@@ -45,8 +45,9 @@ PREFIX = "dpc"  # the course's namespaces: dpc<pid>-<node>, dpc<pid>-switch
 SWITCH = "switch"
 HOSTS_DIR = "/etc/netns"  # ip netns exec binds /etc/netns/<namespace>/hosts over /etc/hosts
 # tc's token bucket: how many bytes may pass at once above the rate (a burst), and how long a
-# packet may wait in the queue before it is dropped. A burst must hold at least a jumbo frame
-# per timer tick; 256 KiB is what tc-tbf(8) suggests for rates near a gigabit.
+# packet may wait in the queue before it is dropped. Too small a burst keeps a link under its
+# rate; with 256 KiB, two ranks' all-reduce over an 800 Mbit/s link ran at 0.096 GB/s of its
+# 0.1 (benchmarks/README.md).
 BURST, LATENCY_MS = "256kb", 50
 _started = []  # this process's networks, for atexit
 
