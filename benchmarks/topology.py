@@ -16,9 +16,6 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 LINK_MBIT = 800  # each node's link, megabits a second each way
 SIZES = [2**20, 4 * 2**20, 16 * 2**20]  # float32 bytes a rank all-reduces
 REPEATS = 5
@@ -60,9 +57,11 @@ def measure(network, nodes: tuple, ifname: str) -> dict:
     return {int(size): seconds for size, seconds in json.loads(out[0]).items()}
 
 
-def bus_gbps(size: int, seconds: float, ranks: int = 2) -> float:
-    """An all-reduce's bus bandwidth (nccl-tests' busbw): 2 (n - 1) / n of the bytes, a second."""
-    return 2 * (ranks - 1) / ranks * size / seconds / 1e9
+def bus_gbps(size: int, seconds: float) -> float:
+    """Two ranks' all-reduce bus bandwidth in GB/s (nccl-tests' busbw: helpers.cost_model)."""
+    from helpers.cost_model import bandwidths
+
+    return bandwidths("all_reduce", 2, size, seconds)["busbw"] / 1e9
 
 
 def main() -> None:
