@@ -4,9 +4,8 @@ capstone submitted to it, requeued mid-run and equal to plain torchrun bit for b
 slurm-wlm and munge; elsewhere they are skipped, except under REQUIRE_CLUSTER=1 (CI), where a
 cluster that cannot start fails them."""
 
-import io
 import os
-import socket
+import re
 import subprocess
 import sys
 import time
@@ -44,29 +43,59 @@ def test_where_the_cluster_or_its_network_cannot_start_it_says_why(monkeypatch, 
     assert install in module.unavailable()
 
 
+def listening(namespace: str | None) -> list:
+    """Every listening TCP socket in a network namespace (None: this machine's own), as
+    "address:port program"."""
+    command = ["ss", "-Hltnp"] if namespace is None else [
+        "nsenter", f"--net={network_module.NETNS_DIR}/{namespace}", "ss", "-Hltnp"]
+    lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in filter(str.strip, lines.splitlines()):
+        program = re.search(r'\(\("([^"]+)"', line)
+        found.append(f"{line.split()[3]} {program.group(1) if program else '?'}")
+    return sorted(found)
+
+
 @pytest.mark.cluster
 @needs_cluster
-def test_two_clusters_start_side_by_side_and_stop_every_process_they_started():
-    first, second = Cluster.start(), Cluster.start()
+def test_the_nodes_are_hosts_of_their_own_with_local_disks_and_the_daemons_bind_only_there():
+    cluster = Cluster.start()
+    namespaces, address = cluster.network.namespaces(), cluster.network.address
     try:
-        assert first.ports.keys() == second.ports.keys()
-        assert set(first.ports.values()).isdisjoint(second.ports.values())
-        assert first.directory != second.directory
-        for one in (first, second):
-            assert one.run(["sinfo", "-h", "-N", "-o", "%N %T %c"]).split() == [
-                "n1", "idle", str(cluster_module.CPUS_PER_NODE),
-                "n2", "idle", str(cluster_module.CPUS_PER_NODE)]
-        said = first.run(["srun", "--nodes=2", "--ntasks=2", "bash", "-c",
-                          "echo $SLURM_PROCID $SLURMD_NODENAME $SLURM_NODEID"])
-        assert sorted(said.splitlines()) == ["0 n1 0", "1 n2 1"]
-        pids = [process.pid for process in first.processes.values()]
+        assert cluster.run(["sinfo", "-h", "-N", "-o", "%N %T %c"]).split() == [
+            "n1", "idle", str(cluster_module.CPUS_PER_NODE),
+            "n2", "idle", str(cluster_module.CPUS_PER_NODE)]
+        # each task on a host of its own name and address, writing to a /tmp of its own
+        said = cluster.run(["srun", "--nodes=2", "--ntasks=2", "bash", "-c",
+                            "echo $SLURM_PROCID $SLURMD_NODENAME $(hostname) $(hostname -i) "
+                            "> /tmp/mine-$SLURM_PROCID; echo $(cat /tmp/mine-*)"])
+        assert sorted(said.splitlines()) == [f"0 n1 n1 {address('n1')}",
+                                             f"1 n2 n2 {address('n2')}"]
+        for rank, node in enumerate(cluster_module.NODES):
+            assert os.listdir(cluster.network.scratch(node)) == [f"mine-{rank}"]
+        # each daemon listens on its own host's address, and this machine's own network has none
+        assert {node: listening(cluster.network.namespace(node))
+                for node in (*cluster_module.NODES, cluster_module.LOGIN)} == {
+            "n1": [f"{address('n1')}:6818 slurmd"], "n2": [f"{address('n2')}:6818 slurmd"],
+            "login": [f"{address('login')}:6817 slurmctld"]}
+        assert not [line for line in listening(None) if "slurm" in line or "munge" in line]
+        # one cluster a process: a second is refused, saying where the first is
+        with pytest.raises(ClusterUnavailable, match=f"up in this process already, in "
+                                                     f"{re.escape(cluster.directory)}"):
+            Cluster.start()
+        assert Cluster.running() is cluster
+        pids = [process.pid for process in cluster.processes.values()]
         assert len(pids) == 4  # munged, slurmctld, two slurmd
     finally:
-        assert first.stop() == []
+        assert cluster.stop() == []
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
-    assert not os.path.exists(first.directory)
-    assert second.run(["sinfo", "-h", "-o", "%D %T"]).split() == ["2", "idle"]  # untouched
-    assert second.stop() == []
+    assert not os.path.exists(cluster.directory)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not set(namespaces) & {line.split()[0] for line in listed.splitlines() if line}
+    for namespace in namespaces:
+        for folder in (network_module.HOSTS_DIR, network_module.SCRATCH_DIR):
+            assert not os.path.exists(os.path.join(folder, namespace))
+    assert Cluster.running() is None
 
 
 @pytest.mark.cluster
@@ -172,25 +201,9 @@ def test_every_variable_a_job_gets_beyond_the_kernels_is_explained(tmp_path):
 
     added = slurm.added_environment(Stub())
     assert set(added) <= set(slurm.ADDED)
-    assert {"GLOO_SOCKET_IFNAME", "PATH", "PYTHONPATH", "SLURM_CONF", "RDZV_PORT"} <= set(added)
-    assert added["GLOO_SOCKET_IFNAME"] == "lo"
-    assert "BREAKS" in slurm.ADDED["GLOO_SOCKET_IFNAME"][1]
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/sys/net/ipv4/ip_local_port_range"),
-                    reason="Linux's range of ports the kernel hands out (elsewhere: free_port)")
-def test_a_rendezvous_port_lies_below_the_ports_the_kernel_hands_out_by_itself(monkeypatch):
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-        lowest = int(ports.read().split()[0])
-    for _ in range(20):
-        port = slurm.rendezvous_port()
-        assert 1024 <= port < lowest
-        with socket.socket() as listener:
-            listener.bind(("", port))  # free
-    # a range that starts at the unprivileged ports leaves none below it: the kernel's choice
-    monkeypatch.setattr(slurm, "open", lambda path: io.StringIO("1024\t65535\n"), raising=False)
-    monkeypatch.setattr(slurm, "free_port", lambda: 54321)
-    assert slurm.rendezvous_port() == 54321
+    assert {"PATH", "PYTHONPATH", "SLURM_CONF"} <= set(added)
+    # lesson 12's interface, this machine's loopback, would keep the nodes from meeting
+    assert "GLOO_SOCKET_IFNAME" not in slurm.job_environment(Stub())
 
 
 def test_a_job_followed_past_its_timeout_says_in_which_state_it_was_left():
@@ -239,8 +252,13 @@ def test_a_kernel_killed_with_its_cluster_leaves_no_daemon_and_the_next_start_re
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
     assert os.path.exists(folder)
+    left = f"{network_module.PREFIX}{child.pid}-"  # its namespaces, which only a start removes
     with Cluster.start():
         assert not os.path.exists(folder)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert left not in listed
+        assert not [name for name in os.listdir(network_module.SCRATCH_DIR)
+                    if name.startswith(left)]
 
 
 def test_what_a_job_said_is_its_errors_not_the_header_of_a_cpp_backtrace():

@@ -8,7 +8,7 @@ import pytest
 
 from helpers.exercises import check, solution
 from helpers.on_a_cluster import exercises, slurm
-from helpers.on_a_cluster.cluster import unavailable
+from helpers.on_a_cluster.cluster import Cluster, unavailable
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
     unavailable() is not None and not os.environ.get("REQUIRE_CLUSTER"),
@@ -24,7 +24,12 @@ def test_the_batch_script_solution_passes():
 def test_the_batch_script_checker_rejects_torchrun_where_srun_must_start_the_ranks():
     with open(slurm.SCRIPT) as file:
         lesson_script = file.read()
-    result = check("batch_script", lambda nodes, ranks_per_node: lesson_script)
+    with Cluster.start() as cluster:  # as in the lesson, whose cluster is up: the checker uses it
+        result = check("batch_script", lambda nodes, ranks_per_node: lesson_script)
+        # its job ran here (the check stops at the first case that fails: one folder)
+        assert len([name for name in os.listdir(cluster.directory)
+                    if name.startswith("batch_script-")]) == 1
+        assert cluster.run(["squeue", "-h"]).strip() == ""  # no job of the check's left
     assert not result.passed
     # for 2 nodes x 1 rank the script's two ranks a node give 4 ranks for a mesh of 2
     assert "For the case nodes=2, ranks_per_node=1" in repr(result)

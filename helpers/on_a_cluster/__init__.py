@@ -3,12 +3,13 @@
 Lesson 14's capstone submitted to a real Slurm of two nodes that this machine runs itself,
 followed, requeued mid-run and resumed exactly, broken in the four ways a first cluster breaks,
 and swept with a job array; the batch scripts are capstone.sbatch (srun and torchrun's c10d
-rendezvous) and sweep.sbatch (a job array). cluster: munge, slurmctld and two slurmd started and
-stopped by process id (`make cluster`). slurm: sbatch, squeue, scontrol and sacct from the
-kernel. training: the training submitted, and the same under plain torchrun. failures: the four
-mistakes and what they print. network: nodes that are network hosts, each in a network namespace
-of its own, joined by links of a set bandwidth (benchmarks/topology.py measures them; the cluster
-does not run on it yet). __main__: a requeued job recorded for the key figure
+rendezvous) and sweep.sbatch (a job array). network: hosts of their own, each in a network
+namespace with its own address, host name and /tmp, joined by links of a set bandwidth
+(benchmarks/topology.py measures them). cluster: two compute nodes and a login node on that
+network, with munge, slurmctld and a slurmd a node, started and stopped by process id (`make
+cluster`). slurm: sbatch, squeue, scontrol and sacct from the kernel. training: the training
+submitted, and the same under plain torchrun. failures: the four mistakes and what they print.
+__main__: a requeued job recorded for the key figure
 (requeued.json). plots: drawn in the kernel. exercises: the checked exercises;
 solutions: their reference solutions.
 """

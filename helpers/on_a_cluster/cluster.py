@@ -1,19 +1,32 @@
-"""A real Slurm cluster of two nodes on this machine: munge, one controller, two node daemons.
+"""A real Slurm cluster of two nodes on this machine: two compute nodes and a login node, each a
+network host of its own (helpers.on_a_cluster.network), with munge, one controller and a node
+daemon on each compute node.
 
     cluster = Cluster.start()      # a few seconds; raises ClusterUnavailable where it cannot
-    cluster.run("sinfo")           # any Slurm command, talking to this cluster only
-    cluster.stop()                 # every process it started, by its process id
+    cluster.run("sinfo")           # any Slurm command, typed on the login node
+    cluster.stop()                 # every process, namespace and folder it made
 
-Everything lives in one directory (`cluster.directory`, under runs/ by default): slurm.conf, the
-munge key and socket, the daemons' logs, the controller's state and the finished jobs' record
-(jobcomp/filetxt: `sacct -c` reads it; full accounting needs slurmdbd and a database). The two
-nodes n1 and n2 share this machine's loopback address, each slurmd on a port of its own
-(`slurmd -N n1`); Slurm tracks a job's processes through /proc (proctrack/linuxproc) and binds no
-CPUs (task/none). Ports come from the kernel, so two kernels or two test workers each start a
-cluster of their own. The daemons run in the foreground as this process's children, and Linux ends
-them when the thread that started them ends, with the process or without it
-(PR_SET_PDEATHSIG); `stop` cancels every job first, then ends the daemons by the ids it started,
-then checks /proc that no process of this cluster's is left.
+The hosts (NETWORK's addresses, each in a network namespace with its own host name, loopback and
+/tmp; the compute nodes' links shaped to LINK_MBIT):
+
+    n1     10.77.0.1   slurmd, and the ranks of the jobs it runs
+    n2     10.77.0.2   slurmd
+    login  10.77.0.3   slurmctld; the Slurm commands that `run` types
+
+Each daemon binds its host's address alone (CommunicationParameters), on Slurm's default ports,
+6817 and 6818: every host has its own. Everything else lives in one folder (`cluster.directory`,
+under runs/ by default), which every node sees at the same path as on a shared file system:
+slurm.conf, the munge key and socket (munged runs on this machine; its socket is a file, which
+every namespace reaches), the daemons' logs, the controller's state and the finished jobs' record
+(jobcomp/filetxt: `sacct -c` reads it; full accounting needs slurmdbd and a database). Slurm
+tracks a job's processes through /proc (proctrack/linuxproc) and binds no CPUs (task/none).
+
+One cluster a process: a second `start` while one is up is refused, saying which (`running()`
+finds it); clusters of two processes (two kernels, two test workers) each have namespaces of
+their own, and do not meet. The daemons run as this process's children, and Linux ends them when
+the thread that started them ends, with the process or without it (PR_SET_PDEATHSIG); `stop`
+cancels every job first, then ends the daemons by the ids it started, checks /proc that no process
+of this cluster's is left, and removes the namespaces and folders.
 
 `python -m helpers.on_a_cluster.cluster up` starts one and waits (Ctrl-C stops it): `make cluster`.
 """
@@ -25,6 +38,7 @@ import contextlib
 import ctypes
 import glob
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,11 +47,16 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from helpers.present import free_port
+from helpers.on_a_cluster import network as network_module
+from helpers.on_a_cluster.network import Network, NetworkUnavailable
 from helpers.timing import timestamp
 
 NODES = ("n1", "n2")
+LOGIN = "login"  # where slurmctld runs, and Slurm's commands are typed
 CPUS_PER_NODE = 4  # what each node offers Slurm (both share this machine's cores)
+# Each compute node's link, megabits a second each way; a node's loopback, within it, is many
+# times faster (benchmarks/topology.py measures both).
+LINK_MBIT = 800
 DAEMONS = ("munged", "slurmctld", "slurmd")
 PACKAGES = ("slurm-wlm", "munge")
 # Seconds between the SIGTERM a cancelled or requeued job's processes get and the SIGKILL.
@@ -50,6 +69,7 @@ CRED_EXPIRE = 5
 
 
 OWNER = "owner.pid"  # in a cluster's folder: the process that started it
+_running = []  # this process's cluster, while it is up
 
 
 class ClusterUnavailable(RuntimeError):
@@ -64,10 +84,10 @@ class SlurmCommandFailed(subprocess.CalledProcessError):
         return f"{' '.join(map(str, self.cmd))} exited with {self.returncode}: {said}"
 
 
-@dataclass
+@dataclass(eq=False)
 class Cluster:
     directory: str
-    ports: dict
+    network: Network | None = None
     processes: dict = field(default_factory=dict)
     owns_directory: bool = True
 
@@ -75,37 +95,51 @@ class Cluster:
     @classmethod
     def start(cls, directory: str | None = None, install: bool = False,
               timeout: float = 30) -> Cluster:
-        """Start munge, slurmctld and a slurmd for each of NODES; return when both nodes are
-        idle. `install`: apt-get the packages first where they are missing (as root)."""
+        """Make the hosts, then start munge, slurmctld on the login node and a slurmd on each of
+        NODES; return when both nodes are idle. `install`: apt-get the packages first where they
+        are missing (as root). Refused while this process has a cluster up (`running()`)."""
         problem = unavailable(install)
         if problem:
             raise ClusterUnavailable(problem)
+        up = cls.running()
+        if up is not None:
+            raise ClusterUnavailable(
+                f"a cluster is up in this process already, in {up.directory}: use it "
+                "(Cluster.running() returns it), or stop it first (its stop())")
         owns = directory is None
         if owns:
             os.makedirs(RUNS, exist_ok=True)
             remove_abandoned()
             directory = tempfile.mkdtemp(prefix="cluster-", dir=RUNS)
-        ports = {"slurmctld": free_port(), **{node: free_port() for node in NODES}}
-        cluster = cls(os.path.abspath(directory), ports, owns_directory=owns)
+        cluster = cls(os.path.abspath(directory), owns_directory=owns)
+        _running.append(cluster)
         atexit.register(cluster.stop)
         try:
+            cluster.network = Network.start((*NODES, LOGIN), link_mbit=LINK_MBIT, scratch=True)
             cluster._write_files()
-            cluster._spawn("munged", ["munged", "--foreground", "--force",
-                                      "--socket", cluster.path("munge.socket"),
-                                      "--key-file", cluster.path("munge.key"),
-                                      "--pid-file", cluster.path("munged.pid"),
-                                      "--seed-file", cluster.path("munged.seed"),
-                                      "--log-file", cluster.path("munged.log")])
+            cluster._spawn("munged", None, [
+                "munged", "--foreground", "--force", "--socket", cluster.path("munge.socket"),
+                "--key-file", cluster.path("munge.key"), "--pid-file", cluster.path("munged.pid"),
+                "--seed-file", cluster.path("munged.seed"),
+                "--log-file", cluster.path("munged.log")])
             cluster._wait_for(lambda: os.path.exists(cluster.path("munge.socket")), 10,
                               "munged made no socket")
-            cluster._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", cluster.conf])
-            for node in NODES:
-                cluster._spawn(node, ["slurmd", "-D", "-N", node, "-f", cluster.conf])
+            cluster._spawn("slurmctld", LOGIN, ["slurmctld", "-D", "-i", "-f", cluster.conf])
+            for node in NODES:  # each finds its node name in its host's name
+                cluster._spawn(node, node, ["slurmd", "-D", "-f", cluster.conf])
             cluster._wait_for(cluster._nodes_idle, timeout, "the nodes did not become idle")
+        except NetworkUnavailable as error:
+            cluster.stop()
+            raise ClusterUnavailable(f"no network for the cluster: {error}") from error
         except BaseException:
             cluster.stop()
             raise
         return cluster
+
+    @classmethod
+    def running(cls) -> Cluster | None:
+        """This process's cluster, if one is up."""
+        return _running[0] if _running else None
 
     @property
     def conf(self) -> str:
@@ -113,7 +147,7 @@ class Cluster:
 
     @property
     def name(self) -> str:
-        return f"course{self.ports['slurmctld']}"
+        return f"course{os.getpid()}"
 
     def path(self, *names: str) -> str:
         return os.path.join(self.directory, *names)
@@ -124,10 +158,11 @@ class Cluster:
 
     def run(self, command: str | list, check: bool = True, timeout: float = 30,
             env: dict | None = None) -> str:
-        """A Slurm command (`sinfo`, `squeue`, `sbatch ...`) against this cluster; its output.
+        """A Slurm command (`sinfo`, `squeue`, `sbatch ...`) typed on the login node; its output.
         `env`: the whole environment it runs in (else this process's, pointed at the cluster)."""
         args = command.split() if isinstance(command, str) else list(command)
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+        done = subprocess.run(self.network.command(LOGIN, args), capture_output=True, text=True,
+                              timeout=timeout,
                               env=env or self.environment(), cwd=self.directory)
         if check and done.returncode != 0:
             raise SlurmCommandFailed(done.returncode, args, done.stdout, done.stderr)
@@ -136,7 +171,7 @@ class Cluster:
     def _write_files(self) -> None:
         with open(self.path(OWNER), "w") as owner:
             owner.write(str(os.getpid()))
-        for folder in ("state", "spool"):
+        for folder in ("state", *(os.path.join("spool", node) for node in NODES)):
             os.makedirs(self.path(folder), exist_ok=True)
         with open(self.path("munge.key"), "wb") as key:
             key.write(os.urandom(1024))
@@ -145,7 +180,10 @@ class Cluster:
         with open(self.conf, "w") as conf:
             conf.write(slurm_conf(self))
 
-    def _spawn(self, name: str, args: list) -> None:
+    def _spawn(self, name: str, host: str | None, args: list) -> None:
+        """Start a daemon on `host` (None: this machine itself)."""
+        if host is not None:
+            args = self.network.command(host, args)
         with open(self.path(f"{name}.out"), "w") as out:
             self.processes[name] = subprocess.Popen(
                 args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -211,11 +249,11 @@ class Cluster:
 
     # ---- stopping --------------------------------------------------------------------------
     def stop(self) -> list:
-        """Cancel every job, end every daemon this cluster started (by process id), and remove
-        its directory if it made it. Returns the ids of any job process that had to be killed."""
+        """Cancel every job, end every daemon this cluster started (by process id), remove its
+        network (namespaces, links, scratch) and its directory if it made it. Returns the ids of
+        any job process that had to be killed."""
         if not self.processes:  # never started, or stopped already
-            if self.owns_directory:
-                shutil.rmtree(self.directory, ignore_errors=True)
+            self._remove()
             return []
         if self.processes.get("slurmctld") and self.processes["slurmctld"].poll() is None:
             try:
@@ -239,10 +277,18 @@ class Cluster:
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        self._remove()
+        return left
+
+    def _remove(self) -> None:
+        """The namespaces, links, scratch folders and, if this cluster made it, its folder."""
+        if self.network is not None:
+            self.network.stop()
         if self.owns_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
+        if self in _running:
+            _running.remove(self)
         atexit.unregister(self.stop)
-        return left
 
     def _wait_for_no_jobs(self, timeout: float) -> None:
         deadline = timestamp() + timeout
@@ -299,12 +345,15 @@ def remove_abandoned() -> list:
 
 def slurm_conf(cluster: Cluster) -> str:
     """The cluster's slurm.conf: every line a first cluster needs, and nothing else."""
-    nodes = "\n".join(f"NodeName={node} NodeAddr=127.0.0.1 Port={cluster.ports[node]} "
-                      f"CPUs={CPUS_PER_NODE} State=UNKNOWN" for node in NODES)
+    address = cluster.network.address
+    nodes = "\n".join(f"NodeName={node} NodeAddr={address(node)} CPUs={CPUS_PER_NODE} "
+                      "State=UNKNOWN" for node in NODES)
     return f"""\
 ClusterName={cluster.name}
-SlurmctldHost=localhost(127.0.0.1)
-SlurmctldPort={cluster.ports['slurmctld']}
+SlurmctldHost={LOGIN}({address(LOGIN)})
+SlurmctldPort=6817
+SlurmdPort=6818
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
@@ -338,8 +387,8 @@ def unavailable(install: bool = False) -> str | None:
     if not sys.platform.startswith("linux"):
         return f"Slurm's daemons run on Linux; this is {sys.platform}"
     if os.geteuid() != 0:
-        return ("the lesson's cluster runs its daemons as root (one user on one machine); "
-                "this kernel is not root")
+        return ("the lesson's cluster runs its daemons as root (one user on one machine), and "
+                "makes its nodes' network as root; this kernel is not root")
     missing = _missing()
     if missing and install and shutil.which("apt-get"):
         apt = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -350,7 +399,7 @@ def unavailable(install: bool = False) -> str | None:
     if missing:
         return (f"{', '.join(missing)} not installed: `apt-get install {' '.join(PACKAGES)}` "
                 "as root (Debian, Ubuntu), or `make cluster`")
-    return None
+    return network_module.unavailable()
 
 
 def _missing() -> list:
@@ -385,6 +434,8 @@ def main(argv=None) -> None:
         sys.exit("usage: python -m helpers.on_a_cluster.cluster up|install")
     with Cluster.start(install=True) as cluster:
         print(f"cluster {cluster.name} up: nodes {', '.join(NODES)}, in {cluster.directory}\n"
+              "  a shell on the login node: "
+              f"{shlex.join(cluster.network.command(LOGIN, ['bash']))}\n"
               f"  export SLURM_CONF={cluster.conf}   # then sinfo, sbatch, squeue, sacct -c\n"
               "Ctrl-C stops it.", flush=True)
         try:

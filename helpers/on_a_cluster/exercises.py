@@ -33,47 +33,56 @@ def config_for(nodes: int, ranks_per_node: int):
 
 
 def _submitted(function, nodes: int, ranks_per_node: int, requeued: bool) -> dict:
-    """Submit the learner's script to a cluster of its own; requeue it once if asked; what it
-    did, as the task states it."""
+    """Submit the learner's script to the cluster this process has up (the lesson's), else to
+    one of its own; requeue it once if asked; what it did, as the task states it."""
     script = function(nodes, ranks_per_node)
     config = config_for(nodes, ranks_per_node)
-    with Cluster.start() as cluster:
-        directory = cluster.path("job")
+    running = Cluster.running()
+    with contextlib.nullcontext(running) if running else Cluster.start() as cluster:
+        directory = tempfile.mkdtemp(prefix="batch_script-", dir=cluster.directory)
         job = slurm.submit(cluster, script, directory, *arguments_for(config))
-        outcome = {}
-        if requeued:
-            with contextlib.suppress(slurm.StillQueued):  # said below, in which state
-                slurm.follow(cluster, job, timeout=JOB_TIMEOUT,
-                             until=lambda: slurm.last_step(directory) >= REQUEUE_AFTER)
-            if slurm.last_step(directory) >= REQUEUE_AFTER:
-                try:
-                    slurm.requeue(cluster, job)
-                except subprocess.CalledProcessError as error:
-                    outcome["the job"] = ("refused a requeue: "
-                                          + (error.stderr or error.stdout).strip())
-        if "the job" not in outcome:
+        try:
+            return _outcome(cluster, job, directory, requeued)
+        finally:  # a job still queued leaves the lesson's cluster with the check
+            cluster.run(["scancel", job], check=False)
+
+
+def _outcome(cluster: Cluster, job: str, directory: str, requeued: bool) -> dict:
+    """What the job did, as the task states it; requeued once first if `requeued`."""
+    outcome = {}
+    if requeued:
+        with contextlib.suppress(slurm.StillQueued):  # said below, in which state
+            slurm.follow(cluster, job, timeout=JOB_TIMEOUT,
+                         until=lambda: slurm.last_step(directory) >= REQUEUE_AFTER)
+        if slurm.last_step(directory) >= REQUEUE_AFTER:
             try:
-                slurm.follow(cluster, job, timeout=JOB_TIMEOUT)
-                states = [row["State"] for row in slurm.finished(cluster) if row["JobID"] == job]
-                outcome["the job"] = states[-1] if states else "?"
-            except slurm.StillQueued as error:  # say in which state; stop() cancels it
-                outcome["the job"] = f"still {error.state} after {error.timeout:g} s"
-        _SAID["lines"] = _tail(directory)
-        _SAID["slurm"] = cluster.slurms_view() if outcome["the job"].startswith("still ") else []
-        started = slurm.ranks(directory)
-        first = [event for event in started if event["restart"] == 0]
-        outcome["ranks"] = len(first)
-        outcome["started by"] = sorted({"torchrun" if event["torchrun"] else
-                                        "srun" if event["task"] is not None else "?"
-                                        for event in started})
-        order = sorted({event["node"] for event in first})
-        outcome["each rank's node"] = {event["rank"]: order.index(event["node"])
-                                       for event in first}
-        if requeued:
-            outcome["went on from the step it stopped at"] = _resumed_where_stopped(directory)
-        steps = [event for event in slurm.events(directory)
-                 if event["event"] == "step" and event["rank"] == 0]
-        outcome["losses"] = {event["step"]: event["loss"] for event in steps}
+                slurm.requeue(cluster, job)
+            except subprocess.CalledProcessError as error:
+                outcome["the job"] = ("refused a requeue: "
+                                      + (error.stderr or error.stdout).strip())
+    if "the job" not in outcome:
+        try:
+            slurm.follow(cluster, job, timeout=JOB_TIMEOUT)
+            states = [row["State"] for row in slurm.finished(cluster) if row["JobID"] == job]
+            outcome["the job"] = states[-1] if states else "?"
+        except slurm.StillQueued as error:  # say in which state; it is cancelled
+            outcome["the job"] = f"still {error.state} after {error.timeout:g} s"
+    _SAID["lines"] = _tail(directory)
+    _SAID["slurm"] = cluster.slurms_view() if outcome["the job"].startswith("still ") else []
+    started = slurm.ranks(directory)
+    first = [event for event in started if event["restart"] == 0]
+    outcome["ranks"] = len(first)
+    outcome["started by"] = sorted({"torchrun" if event["torchrun"] else
+                                    "srun" if event["task"] is not None else "?"
+                                    for event in started})
+    order = sorted({event["node"] for event in first})
+    outcome["each rank's node"] = {event["rank"]: order.index(event["node"])
+                                   for event in first}
+    if requeued:
+        outcome["went on from the step it stopped at"] = _resumed_where_stopped(directory)
+    steps = [event for event in slurm.events(directory)
+             if event["event"] == "step" and event["rank"] == 0]
+    outcome["losses"] = {event["step"]: event["loss"] for event in steps}
     return outcome
 
 
@@ -132,10 +141,11 @@ EXERCISES["batch_script"] = Exercise(
     "the script's arguments: --dp nodes --tp ranks_per_node and the recipe's) on `nodes` nodes "
     "with `ranks_per_node` ranks each. Every rank is a Slurm task of its own (srun starts the "
     "ranks, not torchrun), rank r runs on the job's node r // ranks_per_node (each "
-    "tensor-parallel group on one node), the rendezvous is at the first node on port "
-    "$RDZV_PORT, and the job can be requeued at any step: it then goes on from the step it "
-    "stopped at, and ends with the losses of the same training under plain torchrun, bit for "
-    "bit. Checked for 2 nodes x 1 rank, then 2 nodes x 2 ranks requeued after step 3",
+    "tensor-parallel group on one node), the rendezvous is at the first node (on any port free "
+    "there: each node is a host of its own), and the job can be requeued at any step: it then "
+    "goes on from the step it stopped at, and ends with the losses of the same training under "
+    "plain torchrun, bit for bit. Checked for 2 nodes x 1 rank, then 2 nodes x 2 ranks requeued "
+    "after step 3",
     CASES, _expected, distributed=False,
     harness=_submitted,
     names=(),

@@ -2,8 +2,10 @@
 lesson's batch script (capstone.sbatch), submitted to the cluster, and what a learner then sees.
 
 - `MISTAKES`: name -> Mistake (what was done, how the script changes, the fix).
-- `submit_mistakes(cluster, directory, arguments)`: every mistake at once, one job each, with one
-  CPU a rank-group so that all run side by side; returns {name: job id}.
+- `TakenPort(cluster)`: a program that is no rendezvous holding the rendezvous port (29400) on the
+  first node, n1, until `close()`.
+- `submit_mistakes(cluster, directory, arguments, taken)`: every mistake at once, one job each,
+  with one CPU a rank-group so that all run side by side; returns {name: job id}.
 - `diagnose(cluster, directory, jobs)`: waits for them; a job whose torchruns started but no rank,
   and whose logs then stay unchanged for 10 s, is cancelled (it would wait for ever). Returns
   {name: Outcome}: how it ended, after how long, and the lines that say why.
@@ -11,24 +13,23 @@ lesson's batch script (capstone.sbatch), submitted to the cluster, and what a le
 
 from __future__ import annotations
 
-import http.server
 import os
 import re
 import subprocess
+import sys
 import textwrap
-import threading
 import time
 from dataclasses import dataclass
 
 from helpers.on_a_cluster import slurm
 from helpers.on_a_cluster.cluster import Cluster
-from helpers.present import free_port
 from helpers.timing import timestamp
 
 JOIN_TIMEOUT = 6  # seconds the nodes of a broken job wait for each other (the script's: 20)
 SRUN = 'srun --cpus-per-task="$SLURM_CPUS_PER_TASK" --output=%x-%j.node%n.out --kill-on-bad-exit=1'
 LAUNCH = SRUN + ' \\\n    torchrun'  # capstone.sbatch's job step, up to its command
 ENDPOINT = '--rdzv-endpoint "$head_address:$port"'
+PORT = "port=29400"  # capstone.sbatch's rendezvous port, c10d's default
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,13 @@ MISTAKES = {
     "own endpoint": Mistake(
         "each node names itself as the rendezvous endpoint ($(hostname) inside srun's command)",
         ENDPOINT,  # `own_endpoint` makes the change: torchrun's command evaluated on each node
-        "srun ... bash -c '... --rdzv-endpoint \"$head_address:$((port + SLURM_NODEID))\" ...'",
+        "srun ... bash -c '... --rdzv-endpoint \"$(hostname):$port\" ...'",
         "compute the endpoint once, in the batch script (it runs on the first node), and hand "
         "the same one to every node"),
     "port taken": Mistake(
-        "the rendezvous port is already taken on the first node, by a program that is no "
-        "rendezvous and never answers the store's handshake (here an HTTP server)",
-        "port=${RDZV_PORT:-29400}", "port=${TAKEN_PORT}",
+        "the rendezvous port, 29400, is already taken on the first node, by a program that is "
+        "no rendezvous and never answers the store's handshake (here an HTTP server)",
+        PORT, PORT,  # the script is right; the node is not as it assumed
         "pick a port that is free on the first node: the batch script runs there, so it can "
         "ask the kernel for one (python -c 'import socket; s = socket.socket(); "
         "s.bind((\"\", 0)); print(s.getsockname()[1])')"),
@@ -66,9 +67,9 @@ MISTAKES = {
 }
 
 
-def script_with(name: str, script: str | None = None) -> str:
-    """capstone.sbatch with mistake `name` made (and a short join_timeout: JOIN_TIMEOUT s, not
-    the script's 20)."""
+def script_with(name: str, script: str | None = None, port: int = 29400) -> str:
+    """capstone.sbatch with mistake `name` made, a short join_timeout (JOIN_TIMEOUT s, not the
+    script's 20), and the rendezvous on `port`."""
     if script is None:
         with open(slurm.SCRIPT) as file:
             script = file.read()
@@ -79,54 +80,63 @@ def script_with(name: str, script: str | None = None) -> str:
         if mistake.old not in script:
             raise ValueError(f"capstone.sbatch no longer holds {mistake.old!r}")
         changed = script.replace(mistake.old, mistake.new)
-    return changed.replace("join_timeout=20", f"join_timeout={JOIN_TIMEOUT}")
+    return changed.replace("join_timeout=20", f"join_timeout={JOIN_TIMEOUT}").replace(
+        PORT, f"port={port}")
 
 
 def own_endpoint(script: str) -> str:
     """Every node its own endpoint: torchrun's command evaluated on each node (srun bash -c),
-    with the node's own address. Both nodes share this machine, where every address reaches every
-    node's ports: the node's number goes into the port instead, so that each node's rendezvous
-    is its own, as it is on a real cluster with each node's own $(hostname)."""
+    with the node's own host name."""
     start = script.index(LAUNCH)
     end = script.index(" &\n", start)  # the step runs in the background; the script waits
     command = script[start + len(SRUN + " \\\n    "):end]
-    own = '--rdzv-endpoint "$head_address:$((port + SLURM_NODEID))"'
-    command = command.replace(ENDPOINT, own)
-    return (script[:start].replace("port=${RDZV_PORT:-29400}",
-                                   "export head_address port=${RDZV_PORT:-29400}")
+    command = command.replace(ENDPOINT, '--rdzv-endpoint "$(hostname):$port"')
+    return (script[:start].replace(PORT, f"export {PORT}")
             + SRUN + " bash -c 'exec \\\n    "
             + command.replace('"$@"', '"$@"\' bash "$@"') + script[end:])
 
 
 class TakenPort:
-    """A program that holds a port on this machine and is no rendezvous: an HTTP server on
-    127.0.0.1 that answers every request with an error, until `close()`."""
+    """A program that holds the rendezvous port, 29400, on the cluster's first node and is no
+    rendezvous: an HTTP server on n1's address, until `close()`. `program`: its name, as `ss`
+    shows it."""
 
-    def __init__(self):
-        self.server = http.server.HTTPServer(("127.0.0.1", free_port()), _Refuse)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    port, node = 29400, "n1"
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.server = subprocess.Popen(
+            cluster.network.command(self.node, [
+                sys.executable, "-m", "http.server", str(self.port),
+                "--bind", cluster.network.address(self.node)]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = timestamp() + 10
+        while not self.holders():
+            if self.server.poll() is not None or timestamp() > deadline:
+                raise RuntimeError(f"the HTTP server on {self.node} did not start")
+            time.sleep(0.1)
+
+    def holders(self) -> list:
+        """The programs that listen on the port on its node, as `ss -ltnp` names them: the
+        check that finds a taken port."""
+        return who_listens(self.cluster, self.node, self.port)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class _Refuse(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # quiet
-        pass
+        self.server.terminate()
+        self.server.wait()
 
 
 def submit_mistakes(cluster: Cluster, directory: str, arguments: list,
                     taken: TakenPort) -> dict:
     """Every mistake as a job of its own (each rank group on one CPU, so that all four run at
-    once); returns {name: job id}."""
+    once); returns {name: job id}. The port taken is `taken`'s; each other job has a port of its
+    own, so that the four, run at once, do not meet (two jobs on one port fail each other)."""
     jobs = {}
-    for name, mistake in MISTAKES.items():
+    for index, (name, mistake) in enumerate(MISTAKES.items()):
         folder = _folder(directory, name)
-        jobs[name] = slurm.submit(cluster, script_with(name), folder, *arguments,
-                                  cpus_per_task=1, **dict(mistake.sbatch),
-                                  environment={"TAKEN_PORT": taken.port})
+        port = taken.port if name == "port taken" else taken.port + 1 + index
+        jobs[name] = slurm.submit(cluster, script_with(name, port=port), folder, *arguments,
+                                  cpus_per_task=1, **dict(mistake.sbatch))
     return jobs
 
 
@@ -215,10 +225,10 @@ def _short(line: str) -> str:
     return re.sub(r"\b(?:torch\.[\w.]+\.)(\w+(?:Error|Exception))", r"\1", line)
 
 
-def who_listens(port: int) -> list:
-    """The programs that listen on `port` on this machine, as `ss -ltnp` names them: the check
-    that finds a taken port."""
-    done = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True)
+def who_listens(cluster: Cluster, node: str, port: int) -> list:
+    """The programs that listen on `port` on `node`, as `ss -ltnp` run there names them."""
+    done = subprocess.run(cluster.network.command(node, ["ss", "-Hltnp", f"sport = :{port}"]),
+                          capture_output=True, text=True)
     return sorted(set(re.findall(r'\(\("([^"]+)"', done.stdout)))
 
 
@@ -237,7 +247,10 @@ def show(outcomes: dict, part: int | None = None, width: int = 100) -> None:
     for name, outcome in outcomes.items():
         mistake = MISTAKES[name]
         print(textwrap.fill(f"{name}: {mistake.what}", width, subsequent_indent="    "))
-        say("the script said", f"{mistake.new}   instead of   {mistake.old}")
+        if mistake.new == mistake.old:
+            say("the script said", f"{mistake.new}, as it should")
+        else:
+            say("the script said", f"{mistake.new}   instead of   {mistake.old}")
         for option, value in mistake.sbatch:
             say("submitted with", f"sbatch --{option}={value}")
         say("the job:", "cancelled: no rank had started, it would have waited for ever"

@@ -20,14 +20,20 @@ over NVLink and InfiniBand. The addresses are one private range, NETWORK, that e
 these namespaces: the switch has no link to this machine's own network, so nothing a node sends
 can reach another address, and this machine cannot reach the nodes but through `command`.
 
-Each node's /etc/hosts (iproute2's `ip netns exec` puts /etc/netns/<namespace>/hosts over it)
+Each node's /etc/hosts (/etc/netns/<namespace>/hosts, bound over it where `command` runs)
 names every node at its address, and `command` runs in a UTS namespace whose host name is the
 node's, so `hostname` and `socket.gethostbyname(socket.gethostname())` on a node give its own
 name and address, as on a cluster configured well.
 
+With `scratch=True`, each node also has a disk of its own: its /tmp is a folder of this machine,
+`scratch(node)` (/tmp/dpc<pid>-<node>), bound over /tmp in the node's mount namespace (`command`
+gives each command one), so that what a node writes to /tmp no other node sees, as on a cluster's
+node-local disk.
+Every other folder is this machine's, seen alike by every node: the shared file system.
+
 Namespaces are named `dpc<pid>-<node>` after the process that made them: a second Network in
 the same process, or in another, takes other names, and `start` first removes those whose process
-is gone (a kernel killed before its `stop`).
+is gone (a kernel killed before its `stop`), with their scratch folders.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,7 +50,11 @@ from dataclasses import dataclass, field
 NETWORK = ipaddress.ip_network("10.77.0.0/24")  # the cluster's range: the nodes' addresses
 PREFIX = "dpc"  # the course's namespaces: dpc<pid>-<node>, dpc<pid>-switch
 SWITCH = "switch"
-HOSTS_DIR = "/etc/netns"  # ip netns exec binds /etc/netns/<namespace>/hosts over /etc/hosts
+NETNS_DIR = "/run/netns"  # where `ip netns add` names each namespace
+HOSTS_DIR = "/etc/netns"  # a node's hosts file: /etc/netns/<namespace>/hosts, iproute2's place
+# A node's /tmp, with scratch=True: /tmp/<namespace> of this machine. Within /tmp, so that no node
+# sees another's: each node's /tmp is its own folder.
+SCRATCH_DIR = "/tmp"
 # tc's token bucket: how many bytes may pass at once above the rate (a burst), and how long a
 # packet may wait in the queue before it is dropped. Too small a burst keeps a link under its
 # rate; with 256 KiB, two ranks' all-reduce over an 800 Mbit/s link ran at 0.096 GB/s of its
@@ -105,19 +116,22 @@ def _remove_namespace(name: str) -> None:
     # it ends (the caller ends its processes first).
     subprocess.run(["ip", "netns", "delete", name], capture_output=True)
     shutil.rmtree(os.path.join(HOSTS_DIR, name), ignore_errors=True)
+    shutil.rmtree(os.path.join(SCRATCH_DIR, name), ignore_errors=True)
 
 
 @dataclass(eq=False)
 class Network:
     nodes: tuple
     link_mbit: float
+    scratch_disks: bool = False
     owner: int = field(default_factory=os.getpid)
     stopped: bool = False
 
     @classmethod
-    def start(cls, nodes=("n1", "n2"), link_mbit: float = 800) -> Network:
+    def start(cls, nodes=("n1", "n2"), link_mbit: float = 800, scratch: bool = False) -> Network:
         """Make a namespace for each node and one for the switch, and join them: node k has
-        address k of NETWORK, its eth0 shaped to `link_mbit` megabits a second."""
+        address k of NETWORK, its eth0 shaped to `link_mbit` megabits a second. `scratch`: each
+        node's /tmp its own (`scratch(node)`)."""
         problem = unavailable()
         if problem:
             raise NetworkUnavailable(problem)
@@ -127,7 +141,7 @@ class Network:
         if link_mbit <= 0:
             raise ValueError(f"link_mbit is {link_mbit}; a link's megabits a second are > 0")
         remove_abandoned()
-        network = cls(tuple(nodes), link_mbit)
+        network = cls(tuple(nodes), link_mbit, scratch)
         if any(name in _namespaces() for name in network.namespaces()):
             raise NetworkUnavailable(f"this process has a network already: "
                                      f"{network.namespace(SWITCH)}; stop() it first")
@@ -147,6 +161,10 @@ class Network:
 
     def address(self, node: str) -> str:
         return str(NETWORK[1 + self.nodes.index(node)])
+
+    def scratch(self, node: str) -> str:
+        """The folder of this machine that is `node`'s /tmp (with scratch=True)."""
+        return os.path.join(SCRATCH_DIR, self.namespace(node))
 
     def hosts(self) -> str:
         """Every node's /etc/hosts: localhost, and each node at its address, never at a loopback
@@ -181,14 +199,28 @@ class Network:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "hosts"), "w") as hosts:
                 hosts.write(self.hosts())
+            if self.scratch_disks:
+                os.makedirs(self.scratch(node), exist_ok=True)
+                os.chmod(self.scratch(node), 0o1777)  # as /tmp: everyone's, each their own files
 
     def command(self, node: str, argv: list) -> list:
         """`argv` as a command that runs on `node`: in its network namespace, with its hosts file,
-        under its host name (a UTS namespace of its own). For subprocess's functions."""
+        under its host name (a UTS namespace of its own), with its own /tmp (scratch=True). For
+        subprocess's functions: the process started is `argv`'s own (each step execs the next)."""
         if node not in self.nodes:
             raise ValueError(f"no node {node!r}; the nodes are {', '.join(self.nodes)}")
-        return ["ip", "netns", "exec", self.namespace(node), "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', node, *map(str, argv)]
+        namespace = self.namespace(node)
+        # In a mount namespace of its own, whose binds are this command's alone: the node's hosts
+        # file over /etc/hosts, its scratch over /tmp. (Not `ip netns exec`, which does the same
+        # but also mounts a /sys of the namespace's own, without the cgroup file systems that
+        # slurmd needs.)
+        binds = [(os.path.join(HOSTS_DIR, namespace, "hosts"), "/etc/hosts")]
+        if self.scratch_disks:
+            binds.append((self.scratch(node), "/tmp"))
+        mounts = "".join(f"mount --bind {shlex.quote(source)} {target} && "
+                         for source, target in binds)
+        return ["nsenter", f"--net={NETNS_DIR}/{namespace}", "unshare", "--mount", "--uts",
+                "sh", "-c", f'{mounts}hostname "$0" && exec "$@"', node, *map(str, argv)]
 
     def stop(self) -> None:
         """Remove every namespace this network made, with its links and hosts file. A process

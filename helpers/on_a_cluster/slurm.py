@@ -17,16 +17,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-import random
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass
 
 from helpers.checkpoints_and_failures.elastic import torchrun_environment
 from helpers.on_a_cluster.cluster import Cluster
-from helpers.present import free_port
 from helpers.timing import timestamp
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capstone.sbatch")
@@ -34,13 +31,12 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capstone.sbat
 
 def job_environment(cluster: Cluster, **extra) -> dict:
     """What a job submitted from here sees (sbatch hands on the submitter's environment):
-    torchrun's settings for this machine (lesson 12), this Python's torchrun first on PATH, and
-    RDZV_PORT, a port for the rendezvous (`rendezvous_port`: two clusters share this machine; on
-    a real one, any port free on the first node, c10d's default 29400)."""
+    torchrun's settings (lesson 12's) but the interface it pins to this machine's loopback, and
+    this Python's torchrun first on PATH."""
     environment = torchrun_environment()
+    environment.pop("GLOO_SOCKET_IFNAME")  # lesson 12's `lo`: no other node is reached by it
     environment["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
                                            environment.get("PATH", "")])
-    environment["RDZV_PORT"] = str(rendezvous_port())
     return cluster.environment(**environment, **{key: str(value) for key, value in extra.items()})
 
 
@@ -55,13 +51,6 @@ ADDED = {
              "or one image)"),
     "PYTHONPATH": ("the repository, so that `helpers` is found",
                    "the same: the repository at the same path on every node"),
-    "RDZV_PORT": ("a port free here for the rendezvous (two clusters share this machine), below "
-                  "those the kernel hands out by itself (ip_local_port_range), so that the kernel "
-                  "gives it to no other program between two runs of a requeued job",
-                  "not needed: any port free on the first node, c10d's default 29400"),
-    "GLOO_SOCKET_IFNAME": ("gloo's connections on the loopback interface, lo",
-                           "BREAKS the job: lo reaches no other machine. Name the interface that "
-                           "joins the nodes (ip -brief address), or leave it unset"),
     "OMP_NUM_THREADS": ("one thread a rank (torchrun's own default, where unset, for more "
                         "than one rank a node)",
                         "right for this script (2 CPUs, 2 ranks); with more CPUs a task, "
@@ -73,30 +62,6 @@ ADDED = {
                     "can fail a rendezvous whose node names a slow DNS answers late: remove it"),
     "LOGLEVEL": ("torchrun's agent says what it does", "harmless"),
 }
-
-
-def rendezvous_port() -> int:
-    """A port free now, below the range the kernel hands out by itself (ip_local_port_range): a
-    job binds its rendezvous port anew at every restart, and a port from that range (free_port's)
-    can in between become a connection's own end or a listener bound to port 0, and the next
-    run's rendezvous fail. free_port where that range cannot be read (not Linux), where nothing
-    lies below it but privileged ports, or where no port below it binds."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-            lowest = int(ports.read().split()[0])
-    except OSError:
-        return free_port()
-    if lowest <= 1025:
-        return free_port()
-    for _ in range(100):
-        port = random.randrange(max(1024, lowest - 10000), lowest)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
 
 
 def added_environment(cluster: Cluster) -> dict:
@@ -113,7 +78,7 @@ def show_added_environment(cluster: Cluster, part: int | None = None) -> None:
     from helpers.notebook import half_of
 
     shown = {"PATH": "<this Python's folder>:$PATH", "PYTHONPATH": "<the repository>:$PYTHONPATH",
-             "RDZV_PORT": "<a free port>", "SLURM_CONF": "<the cluster's folder>/slurm.conf"}
+             "SLURM_CONF": "<the cluster's folder>/slurm.conf"}
     job = job_environment(cluster)
     for name, (why, real) in half_of(list(ADDED.items()), part):
         print(f"{name}={shown.get(name, job[name])}\n    here: {why}\n"

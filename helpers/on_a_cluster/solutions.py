@@ -19,7 +19,7 @@ def batch_script(nodes: int, ranks_per_node: int) -> str:
 
 nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 export MASTER_ADDR=$(scontrol show node "${{nodes[0]}}" | grep -oP 'NodeAddr=\\K\\S+')
-export MASTER_PORT=${{RDZV_PORT:-29500}}
+export MASTER_PORT=29500
 
 srun --cpus-per-task="$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 --distribution=block bash -c \\
     'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID \\
