@@ -775,3 +775,19 @@ def helpers_interrupted():
     from helpers import WorkerInterrupted
 
     return WorkerInterrupted
+
+
+def test_a_rank_takes_nccl_when_each_rank_of_its_own_node_has_a_gpu(monkeypatch):
+    """Two nodes of two GPUs, four ranks: torchrun's LOCAL_WORLD_SIZE, not WORLD_SIZE, says
+    whether this node's ranks each have a GPU (lesson 15's gpu.sbatch on a GPU cluster)."""
+    from helpers.launcher.result import GLOO_AND_NCCL, node_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert node_backend() == "gloo"  # four ranks on a machine of two GPUs: not one each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert node_backend() == GLOO_AND_NCCL
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert node_backend() == "gloo"

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from helpers.capstone.corpus import bits_per_byte
 from helpers.capstone.train import Config, train_worker
 from helpers.checkpoints_and_failures.elastic import FINAL_FILE, Job, run_torchrun
-from helpers.launcher.result import default_backend, get_device
+from helpers.launcher.result import get_device, node_backend
 from helpers.timing import timestamp
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -42,7 +42,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def main(argv=None) -> None:
     options = parse(argv)
     config = config_from(options)
-    dist.init_process_group(default_backend(int(os.environ["WORLD_SIZE"])))
+    dist.init_process_group(node_backend())  # NCCL where each of this node's ranks has a GPU
     rank, world_size = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     os.makedirs(options.directory, exist_ok=True)

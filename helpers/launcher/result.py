@@ -50,6 +50,12 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
+def node_backend() -> str:
+    """default_backend for a rank that torchrun (or Slurm) started: its own node's ranks need a GPU
+    each, not the whole job's (LOCAL_WORLD_SIZE, torchrun's, where set, else WORLD_SIZE)."""
+    return default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+
+
 def uses_nccl(backend: str) -> bool:
     """Whether `backend` ("nccl", or a per-device list such as "cpu:gloo,cuda:nccl") puts CUDA
     tensors on NCCL, so that each rank needs a GPU of its own."""

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from helpers.launcher.result import (
     GLOO_AND_NCCL,
     RunResult,
-    default_backend,
     get_device,
+    node_backend,
     uses_nccl,
 )
 
@@ -40,8 +40,7 @@ def run_in_place(fn, args=(), kwargs=None, backend=None, timeout=1800) -> RunRes
     """Run `fn` as this process's rank; every rank gets every rank's result (all_gather_object)."""
     owns_group = not dist.is_initialized()
     if owns_group:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        backend = backend or default_backend(local_world)
+        backend = backend or node_backend()
         if uses_nccl(backend):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
