@@ -4,6 +4,7 @@ capstone submitted to it, requeued mid-run and equal to plain torchrun bit for b
 slurm-wlm and munge; elsewhere they are skipped, except under REQUIRE_CLUSTER=1 (CI), where a
 cluster that cannot start fails them."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from helpers.capstone.job import arguments_for, records
 from helpers.on_a_cluster import cluster as cluster_module
 from helpers.on_a_cluster import network as network_module
-from helpers.on_a_cluster import slurm, training
+from helpers.on_a_cluster import slurm, storage, training
 from helpers.on_a_cluster.cluster import Cluster, ClusterUnavailable, unavailable
 from helpers.on_a_cluster.network import Network, NetworkUnavailable
 
@@ -251,9 +252,8 @@ def test_a_kernel_killed_with_its_cluster_leaves_no_daemon_and_the_next_start_re
             break
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
-    assert os.path.exists(folder)
     left = f"{network_module.PREFIX}{child.pid}-"  # its namespaces, which only a start removes
-    with Cluster.start():
+    with Cluster.start():  # (or another test's start in between, on another worker)
         assert not os.path.exists(folder)
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert left not in listed
@@ -273,3 +273,75 @@ def test_what_a_job_said_is_its_errors_not_the_header_of_a_cpp_backtrace():
     assert errors_in([agent, "[rank1]: ValueError: a mesh needs 4 ranks, not 2\n"]) == [
         "ValueError: a mesh needs 4 ranks, not 2"]
     assert errors_in(["Exception raised from ping at /x/TCPStore.cpp:427 (most recent\n"]) == []
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_a_checkpoint_in_a_nodes_own_tmp_is_not_found_when_the_job_moves_to_another_node():
+    config = dataclasses.replace(training.LESSON_CONFIG, dp=2, tp=1, steps=8, save_every=0)
+    with Cluster.start() as cluster:
+        moved = storage.moved_to_another_node(cluster, cluster.path("scratch"),
+                                              arguments_for(config), after=2)
+        assert sorted(moved.nodes) == list(cluster_module.NODES)  # one run on each
+        first, second = moved.nodes
+        assert moved.stopped_at >= 2
+        # the checkpoint was saved, complete, on the first node's disk ...
+        saved = os.path.join(cluster.network.scratch(first), storage.CHECKPOINTS,
+                             f"step-{moved.stopped_at:04d}")
+        assert os.path.exists(os.path.join(saved, ".metadata"))
+        # ... where the second node cannot see it: it started over
+        assert moved.started_from == 0
+        assert moved.log == [f"restart 0 on {first}: newest checkpoint none",
+                             f"restart 1 on {second}: newest checkpoint none"]
+        assert not os.path.exists(os.path.join(cluster.network.scratch(second),
+                                               storage.CHECKPOINTS, f"step-{moved.stopped_at:04d}"))
+        assert cluster.run(["sinfo", "-h", "-N", "-o", "%N %t"]).split() == [
+            "n1", "idle", "n2", "idle"]  # the drained node back in service
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_gpus_are_slurm_resources_that_each_task_sees_as_on_a_gpu_cluster():
+    gpus = cluster_module.GPUS_PER_NODE
+    with Cluster.start() as cluster:
+        assert cluster.run(["sinfo", "-h", "-N", "-o", "%N %G"]).split() == [
+            "n1", f"gpu:{gpus}", "n2", f"gpu:{gpus}"]
+
+        def seen(*options):  # {(node, task on the node): CUDA_VISIBLE_DEVICES}
+            said = cluster.run(["srun", "--nodes=2", f"--ntasks-per-node={gpus}", *options,
+                                "bash", "-c", "echo $SLURMD_NODENAME $SLURM_LOCALID "
+                                              "${CUDA_VISIBLE_DEVICES-unset}"])
+            return {(node, int(local)): devices
+                    for node, local, devices in map(str.split, said.splitlines())}
+
+        every = ",".join(map(str, range(gpus)))
+        tasks = [(node, local) for node in cluster_module.NODES for local in range(gpus)]
+        # a node's GPUs for every task on it: a rank takes cuda:<LOCAL_RANK> of them
+        assert seen(f"--gpus-per-node={gpus}") == {task: every for task in tasks}
+        assert seen(f"--gres=gpu:{gpus}") == {task: every for task in tasks}
+        # a GPU a task: each sees its own, as its device 0
+        assert seen("--gpus-per-task=1") == {(node, local): str(local) for node, local in tasks}
+        assert seen() == {task: "unset" for task in tasks}  # no GPU asked, none given
+        with pytest.raises(subprocess.CalledProcessError,
+                           match="Requested node configuration is not available"):
+            cluster.run(["srun", "--nodes=1", f"--gres=gpu:{gpus + 1}", "true"])
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_the_gpu_batch_script_runs_a_rank_a_gpu_checks_the_link_then_trains():
+    config = dataclasses.replace(training.LESSON_CONFIG, steps=3, save_every=0)
+    with Cluster.start() as cluster:
+        directory = cluster.path("gpu")
+        job = slurm.submit(cluster, slurm.GPU_SCRIPT, directory, *arguments_for(config))
+        slurm.follow(cluster, job, timeout=120)
+        states = [row["State"] for row in slurm.finished(cluster) if row["JobID"] == job]
+        with open(os.path.join(directory, f"capstone-gpu-{job}.out")) as out:
+            said = out.read()
+        assert states == ["COMPLETED"], said[-3000:]
+        steps, _ = records(directory)
+    given = sorted(line for line in said.splitlines() if re.match(r"rank \d on n\d:", line))
+    assert given == [f"rank {rank} on n{1 + rank // 2}: LOCAL_RANK {rank % 2}, "
+                     f"CUDA_VISIBLE_DEVICES 0,1, device cpu, backend gloo" for rank in range(4)]
+    assert re.search(r"all-reduce of 64 MiB over 4 ranks: busbw \d+\.\d{3} GB/s", said)
+    assert sorted(steps) == [1, 2, 3]  # then the training, to its end

@@ -17,9 +17,10 @@ Each daemon binds its host's address alone (CommunicationParameters), on Slurm's
 6817 and 6818: every host has its own. Everything else lives in one folder (`cluster.directory`,
 under runs/ by default), which every node sees at the same path as on a shared file system:
 slurm.conf, the munge key and socket (munged runs on this machine; its socket is a file, which
-every namespace reaches), the daemons' logs, the controller's state and the finished jobs' record
-(jobcomp/filetxt: `sacct -c` reads it; full accounting needs slurmdbd and a database). Slurm
-tracks a job's processes through /proc (proctrack/linuxproc) and binds no CPUs (task/none).
+every namespace reaches), gres.conf and the GPUs' device files (dev/nvidia0, dev/nvidia1: each
+node declares GPUS_PER_NODE), the daemons' logs, the controller's state and the finished jobs'
+record (jobcomp/filetxt: `sacct -c` reads it; full accounting needs slurmdbd and a database).
+Slurm tracks a job's processes through /proc (proctrack/linuxproc) and binds no CPUs (task/none).
 
 One cluster a process: a second `start` while one is up is refused, saying which (`running()`
 finds it); clusters of two processes (two kernels, two test workers) each have namespaces of
@@ -41,6 +42,7 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -57,6 +59,12 @@ CPUS_PER_NODE = 4  # what each node offers Slurm (both share this machine's core
 # Each compute node's link, megabits a second each way; a node's loopback, within it, is many
 # times faster (benchmarks/topology.py measures both).
 LINK_MBIT = 800
+# GPUs each node declares to Slurm (GRES): device files the cluster makes in its folder, dev/,
+# with NVIDIA's major number (195), the first GPU's minor 0. Nothing opens them: the ranks compute
+# on the CPU. Slurm hands them out as on a GPU cluster: --gpus-per-node, --gres=gpu:N,
+# CUDA_VISIBLE_DEVICES a task.
+GPUS_PER_NODE = 2
+NVIDIA_MAJOR = 195
 DAEMONS = ("munged", "slurmctld", "slurmd")
 PACKAGES = ("slurm-wlm", "munge")
 # Seconds between the SIGTERM a cancelled or requeued job's processes get and the SIGKILL.
@@ -179,6 +187,12 @@ class Cluster:
         os.chmod(self.directory, 0o755)  # munged refuses a key or socket in a group-writable folder
         with open(self.conf, "w") as conf:
             conf.write(slurm_conf(self))
+        os.makedirs(self.path("dev"), exist_ok=True)  # as /dev/nvidia0, ... on a GPU node
+        for index in range(GPUS_PER_NODE):
+            os.mknod(self.path("dev", f"nvidia{index}"), 0o666 | stat.S_IFCHR,
+                     os.makedev(NVIDIA_MAJOR, index))
+        with open(self.path("gres.conf"), "w") as gres:
+            gres.write(f"Name=gpu File={self.path('dev', 'nvidia')}[0-{GPUS_PER_NODE - 1}]\n")
 
     def _spawn(self, name: str, host: str | None, args: list) -> None:
         """Start a daemon on `host` (None: this machine itself)."""
@@ -347,7 +361,7 @@ def slurm_conf(cluster: Cluster) -> str:
     """The cluster's slurm.conf: every line a first cluster needs, and nothing else."""
     address = cluster.network.address
     nodes = "\n".join(f"NodeName={node} NodeAddr={address(node)} CPUs={CPUS_PER_NODE} "
-                      "State=UNKNOWN" for node in NODES)
+                      f"Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN" for node in NODES)
     return f"""\
 ClusterName={cluster.name}
 SlurmctldHost={LOGIN}({address(LOGIN)})
@@ -355,6 +369,7 @@ SlurmctldPort=6817
 SlurmdPort=6818
 CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 SlurmUser=root
+GresTypes=gpu
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={cluster.path('munge.socket')},cred_expire={CRED_EXPIRE}

@@ -203,6 +203,7 @@ def last_step(directory: str) -> int:
 
 
 SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sweep.sbatch")
+GPU_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu.sbatch")
 
 
 def show_script(path: str, part: int | None = None):

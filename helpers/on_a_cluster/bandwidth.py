@@ -1,0 +1,67 @@
+"""The check a multi-node job runs before it trains: every rank says what Slurm and torchrun gave
+it (its node, LOCAL_RANK, CUDA_VISIBLE_DEVICES, the device it takes), then all ranks time an
+all-reduce, and rank 0 prints its bus bandwidth (nccl-tests' busbw: helpers.cost_model). Under
+torchrun, on every node (gpu.sbatch's first step):
+
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m helpers.on_a_cluster.bandwidth [--megabytes 64]
+
+With one GPU a rank, NCCL on the GPUs; else gloo on the CPU, as on the lesson's cluster, whose
+GPUs are Slurm's alone. A busbw far below the link's (NVLink's hundreds of GB/s within a node,
+InfiniBand's tens across) is a wrong interface or transport: NCCL_DEBUG=INFO says which it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from helpers.cost_model import bandwidths
+from helpers.launcher.result import get_device, node_backend
+
+REPEATS = 5
+
+
+def given() -> str:
+    """What this rank was given, in one line."""
+    return (f"rank {dist.get_rank()} on {socket.gethostname()}: LOCAL_RANK "
+            f"{os.environ.get('LOCAL_RANK')}, CUDA_VISIBLE_DEVICES "
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}, device {get_device()}, "
+            f"backend {dist.get_backend()}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megabytes", type=float, default=64)
+    options = parser.parse_args(argv)
+    dist.init_process_group(node_backend())
+    os.write(1, (given() + "\n").encode())  # one write: the ranks share the job's output
+    size = int(options.megabytes * 2**20) // 4 * 4
+    tensor = torch.ones(size // 4, device=get_device())
+    dist.all_reduce(tensor)  # connections made once, before timing
+    times = []
+    for _ in range(REPEATS):
+        dist.barrier()
+        if tensor.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        if tensor.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(statistics.median(times))
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
+    if dist.get_rank() == 0:
+        busbw = bandwidths("all_reduce", dist.get_world_size(), size, slowest.item())["busbw"]
+        os.write(1, f"all-reduce of {size / 2**20:g} MiB over {dist.get_world_size()} ranks: "
+                    f"busbw {busbw / 1e9:.3f} GB/s (median of {REPEATS})\n".encode())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
