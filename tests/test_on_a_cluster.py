@@ -345,3 +345,22 @@ def test_the_gpu_batch_script_runs_a_rank_a_gpu_checks_the_link_then_trains():
                      f"CUDA_VISIBLE_DEVICES 0,1, device cpu, backend gloo" for rank in range(4)]
     assert re.search(r"all-reduce of 64 MiB over 4 ranks: busbw \d+\.\d{3} GB/s", said)
     assert sorted(steps) == [1, 2, 3]  # then the training, to its end
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_the_gpu_batch_script_runs_by_hand_in_the_allocation_its_header_says_salloc_gives():
+    config = dataclasses.replace(training.LESSON_CONFIG, steps=3, save_every=0)
+    with open(slurm.GPU_SCRIPT) as script:
+        header = script.read()
+    salloc = re.search(r"`(salloc [^`]+)`", header.replace("\n# ", " ")).group(1)
+    with Cluster.start() as cluster:
+        directory = cluster.path("salloc")
+        os.makedirs(directory)
+        said = cluster.run([*salloc.split(), "bash", slurm.GPU_SCRIPT, directory,
+                            *arguments_for(config)], env=slurm.job_environment(cluster),
+                           timeout=150)
+        steps, _ = records(directory)
+    assert "2 GPUs a node" in said
+    assert len(re.findall(r"rank \d on n\d: LOCAL_RANK \d, CUDA_VISIBLE_DEVICES 0,1", said)) == 4
+    assert sorted(steps) == [1, 2, 3]

@@ -51,8 +51,9 @@ def default_backend(world_size: int) -> str:
 
 
 def node_backend() -> str:
-    """default_backend for a rank that torchrun (or Slurm) started: its own node's ranks need a GPU
-    each, not the whole job's (LOCAL_WORLD_SIZE, torchrun's, where set, else WORLD_SIZE)."""
+    """default_backend for a rank that torchrun started: its own node's ranks need a GPU each, not
+    the whole job's (LOCAL_WORLD_SIZE, torchrun's, where set; else WORLD_SIZE, all on one
+    machine: a script that starts a rank a Slurm task exports LOCAL_WORLD_SIZE itself)."""
     return default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
 
 

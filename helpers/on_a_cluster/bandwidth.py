@@ -6,8 +6,9 @@ torchrun, on every node (gpu.sbatch's first step):
     torchrun --nnodes 2 --nproc-per-node 2 ... -m helpers.on_a_cluster.bandwidth [--megabytes 64]
 
 With one GPU a rank, NCCL on the GPUs; else gloo on the CPU, as on the lesson's cluster, whose
-GPUs are Slurm's alone. A busbw far below the link's (NVLink's hundreds of GB/s within a node,
-InfiniBand's tens across) is a wrong interface or transport: NCCL_DEBUG=INFO says which it took.
+GPUs are Slurm's alone. The slowest link bounds the bus bandwidth: across nodes, the network
+(about 25 GB/s each way for a 200 Gbit/s InfiniBand port, more with a port per GPU). Far below it
+is a wrong interface or transport (NET/Socket over Ethernet): NCCL_DEBUG=INFO says which it took.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ MISTAKES = {
         "the same one to every node"),
     "port taken": Mistake(
         "the rendezvous port, 29400, is already taken on the first node, by a program that is "
-        "no rendezvous and never answers the store's handshake (here an HTTP server)",
+        "no rendezvous and never answers the store's handshake (here Python's http.server, "
+        "which ss names python)",
         PORT, PORT,  # the script is right; the node is not as it assumed
         "pick a port that is free on the first node: the batch script runs there, so it can "
         "ask the kernel for one (python -c 'import socket; s = socket.socket(); "

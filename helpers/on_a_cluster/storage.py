@@ -4,8 +4,9 @@ job finds no checkpoint there and starts over.
 
 - `moved_to_another_node(cluster, directory, arguments)`: submit scratch.sbatch, let rank 0
   train `after` steps, drain its node and requeue it; once it has started on the other node,
-  cancel it and return the node to service. Returns a Moved: where each run ran, the step the
-  first stopped at, the checkpoints on the first node's disk, the step the second started from.
+  cancel it, return the node to service and wait until both nodes are idle. Returns a Moved:
+  where each run ran, the step the first stopped at, the checkpoints on the first node's disk,
+  the step the second started from.
 
 The kernel reads each node's /tmp from outside (`cluster.network.scratch(node)`), as an
 administrator could; the job's own log, in the shared folder, says what each run found.
@@ -76,6 +77,7 @@ def moved_to_another_node(cluster: Cluster, directory: str, arguments: list, aft
             cluster.run(["scontrol", "update", f"NodeName={first}", "State=RESUME"],
                         check=False)
     slurm.wait_all(cluster, job)
+    cluster._wait_for(cluster._nodes_idle, 30, "the nodes did not become idle again")
     stopped = [event["step"] for event in node_events(cluster, first)
                if event["event"] == "stopping" and event["rank"] == 0]
     started = [event["step"] for event in node_events(cluster, second)
