@@ -10,9 +10,9 @@ network, with munge, slurmctld and a slurmd a node, started and stopped by proce
 cluster`). slurm: sbatch, squeue, scontrol and sacct from the kernel. training: the training
 submitted, and the same under plain torchrun. failures: the four mistakes and what they print.
 storage: a checkpoint in a node's own /tmp, not found when the job is requeued onto another node
-(scratch.sbatch). gpu.sbatch: the batch script for a GPU cluster (a rank a GPU, NCCL's settings,
-a time limit that requeues), whose first step, bandwidth, has every rank say what it was given
-and times the link.
+(scratch.sbatch). bandwidth: every rank says what Slurm and torchrun gave it, and the link is
+timed; the first step of the batch script for a GPU cluster, gpu.sbatch (a rank a GPU, NCCL's
+settings, a time limit that requeues).
 __main__: a requeued job recorded for the key figure
 (requeued.json). plots: drawn in the kernel. exercises: the checked exercises;
 solutions: their reference solutions.

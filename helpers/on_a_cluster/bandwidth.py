@@ -17,13 +17,13 @@ import argparse
 import os
 import socket
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from helpers.cost_model import bandwidths
 from helpers.launcher.result import get_device, node_backend
+from helpers.timing import slowest_rank_seconds
 
 REPEATS = 5
 
@@ -45,20 +45,11 @@ def main(argv=None) -> None:
     size = int(options.megabytes * 2**20) // 4 * 4
     tensor = torch.ones(size // 4, device=get_device())
     dist.all_reduce(tensor)  # connections made once, before timing
-    times = []
-    for _ in range(REPEATS):
-        dist.barrier()
-        if tensor.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        dist.all_reduce(tensor)
-        if tensor.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor(statistics.median(times))
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
+    # each time the slowest rank's: a collective ends when its last rank is done (lesson 04)
+    seconds = statistics.median(slowest_rank_seconds(lambda: dist.all_reduce(tensor))
+                                for _ in range(REPEATS))
     if dist.get_rank() == 0:
-        busbw = bandwidths("all_reduce", dist.get_world_size(), size, slowest.item())["busbw"]
+        busbw = bandwidths("all_reduce", dist.get_world_size(), size, seconds)["busbw"]
         os.write(1, f"all-reduce of {size / 2**20:g} MiB over {dist.get_world_size()} ranks: "
                     f"busbw {busbw / 1e9:.3f} GB/s (median of {REPEATS})\n".encode())
     dist.destroy_process_group()
