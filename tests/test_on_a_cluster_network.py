@@ -133,3 +133,23 @@ def test_stop_removes_every_namespace_and_hosts_file_and_start_sweeps_abandoned_
         assert abandoned not in namespaces()
     finally:
         again.stop()
+
+
+@pytest.mark.cluster
+@needs_root
+def test_a_nodes_tmp_is_its_own_but_a_shared_folder_within_tmp_is_seen_by_every_node(tmp_path):
+    shared = tmp_path / "repository"  # as a clone in /tmp, where CI may put one
+    shared.mkdir()
+    (shared / "code.py").write_text("print('shared')\n")
+    network = Network.start(("n1", "n2"), link_mbit=100, scratch=True, shared=(str(shared),))
+    try:
+        for node in network.nodes:
+            said = on(network, node, "sh", "-c", f"echo {node} > /tmp/mine; ls /tmp/mine; "
+                                                 f"cat {shared}/code.py")
+            assert said.stdout.split() == ["/tmp/mine", "print('shared')"], said
+            with open(os.path.join(network.scratch(node), "mine")) as mine:
+                assert mine.read() == f"{node}\n"  # each node's own /tmp, one file each
+        assert not (tmp_path / "mine").exists() and not os.path.exists("/tmp/mine")
+    finally:
+        network.stop()
+    assert not any(os.path.exists(network.scratch(node)) for node in network.nodes)

@@ -123,7 +123,11 @@ class Cluster:
         _running.append(cluster)
         atexit.register(cluster.stop)
         try:
-            cluster.network = Network.start((*NODES, LOGIN), link_mbit=LINK_MBIT, scratch=True)
+            # every node sees the repository, this Python and the cluster's folder where they are,
+            # even within this machine's /tmp, which each node has its own of
+            cluster.network = Network.start(
+                (*NODES, LOGIN), link_mbit=LINK_MBIT, scratch=True,
+                shared=(os.path.dirname(RUNS), cluster.directory, sys.prefix, sys.base_prefix))
             cluster._write_files()
             cluster._spawn("munged", None, [
                 "munged", "--foreground", "--force", "--socket", cluster.path("munge.socket"),

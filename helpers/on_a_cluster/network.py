@@ -28,7 +28,8 @@ name and address, as on a cluster configured well.
 With `scratch=True`, each node also has a disk of its own: its /tmp is a folder of this machine,
 `scratch(node)` (/tmp/dpc<pid>-<node>), bound over /tmp in the node's mount namespace (`command`
 gives each command one), so that what a node writes to /tmp no other node sees, as on a cluster's
-node-local disk.
+node-local disk. A folder of this machine's /tmp that every node must still see (`shared`: the
+repository, when it was cloned into /tmp) is bound back into each node's /tmp, at its own path.
 Every other folder is this machine's, seen alike by every node: the shared file system.
 
 Namespaces are named `dpc<pid>-<node>` after the process that made them: a second Network in
@@ -111,6 +112,16 @@ def remove_abandoned() -> list:
     return gone
 
 
+def _within_tmp(folders) -> tuple:
+    """The folders that lie in this machine's /tmp (SCRATCH_DIR), as real paths, none inside
+    another."""
+    tmp = os.path.realpath(SCRATCH_DIR)
+    inside = sorted({path for path in map(os.path.realpath, folders)
+                     if path != tmp and os.path.commonpath([path, tmp]) == tmp})
+    return tuple(path for path in inside
+                 if not any(path.startswith(other + os.sep) for other in inside))
+
+
 def _remove_namespace(name: str) -> None:
     # Its veth ends go with it; a process still inside keeps the namespace alive, unnamed, until
     # it ends (the caller ends its processes first).
@@ -124,14 +135,17 @@ class Network:
     nodes: tuple
     link_mbit: float
     scratch_disks: bool = False
+    shared: tuple = ()  # folders under /tmp that every node sees, over its own /tmp
     owner: int = field(default_factory=os.getpid)
     stopped: bool = False
 
     @classmethod
-    def start(cls, nodes=("n1", "n2"), link_mbit: float = 800, scratch: bool = False) -> Network:
+    def start(cls, nodes=("n1", "n2"), link_mbit: float = 800, scratch: bool = False,
+              shared: tuple = ()) -> Network:
         """Make a namespace for each node and one for the switch, and join them: node k has
         address k of NETWORK, its eth0 shaped to `link_mbit` megabits a second. `scratch`: each
-        node's /tmp its own (`scratch(node)`)."""
+        node's /tmp its own (`scratch(node)`), but the folders of `shared` that lie in this
+        machine's /tmp, which every node still sees there."""
         problem = unavailable()
         if problem:
             raise NetworkUnavailable(problem)
@@ -141,7 +155,7 @@ class Network:
         if link_mbit <= 0:
             raise ValueError(f"link_mbit is {link_mbit}; a link's megabits a second are > 0")
         remove_abandoned()
-        network = cls(tuple(nodes), link_mbit, scratch)
+        network = cls(tuple(nodes), link_mbit, scratch, _within_tmp(shared))
         if any(name in _namespaces() for name in network.namespaces()):
             raise NetworkUnavailable(f"this process has a network already: "
                                      f"{network.namespace(SWITCH)}; stop() it first")
@@ -165,6 +179,9 @@ class Network:
     def scratch(self, node: str) -> str:
         """The folder of this machine that is `node`'s /tmp (with scratch=True)."""
         return os.path.join(SCRATCH_DIR, self.namespace(node))
+
+    def _in_scratch(self, node: str, folder: str) -> str:
+        return os.path.join(self.scratch(node), os.path.relpath(folder, SCRATCH_DIR))
 
     def hosts(self) -> str:
         """Every node's /etc/hosts: localhost, and each node at its address, never at a loopback
@@ -202,6 +219,8 @@ class Network:
             if self.scratch_disks:
                 os.makedirs(self.scratch(node), exist_ok=True)
                 os.chmod(self.scratch(node), 0o1777)  # as /tmp: everyone's, each their own files
+                for folder in self.shared:  # where each is bound back, in the node's /tmp
+                    os.makedirs(self._in_scratch(node, folder), exist_ok=True)
 
     def command(self, node: str, argv: list) -> list:
         """`argv` as a command that runs on `node`: in its network namespace, with its hosts file,
@@ -215,9 +234,10 @@ class Network:
         # but also mounts a /sys of the namespace's own, without the cgroup file systems that
         # slurmd needs.)
         binds = [(os.path.join(HOSTS_DIR, namespace, "hosts"), "/etc/hosts")]
-        if self.scratch_disks:
+        if self.scratch_disks:  # the shared folders into the scratch, then all of it over /tmp
+            binds += [(folder, self._in_scratch(node, folder)) for folder in self.shared]
             binds.append((self.scratch(node), "/tmp"))
-        mounts = "".join(f"mount --bind {shlex.quote(source)} {target} && "
+        mounts = "".join(f"mount --rbind {shlex.quote(source)} {shlex.quote(target)} && "
                          for source, target in binds)
         return ["nsenter", f"--net={NETNS_DIR}/{namespace}", "unshare", "--mount", "--uts",
                 "sh", "-c", f'{mounts}hostname "$0" && exec "$@"', node, *map(str, argv)]
