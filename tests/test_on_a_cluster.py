@@ -72,8 +72,9 @@ def test_the_nodes_are_hosts_of_their_own_with_local_disks_and_the_daemons_bind_
                             "> /tmp/mine-$SLURM_PROCID; echo $(cat /tmp/mine-*)"])
         assert sorted(said.splitlines()) == [f"0 n1 n1 {address('n1')}",
                                              f"1 n2 n2 {address('n2')}"]
-        for rank, node in enumerate(cluster_module.NODES):
-            assert os.listdir(cluster.network.scratch(node)) == [f"mine-{rank}"]
+        for rank, node in enumerate(cluster_module.NODES):  # (beside any shared folder's place)
+            assert [name for name in os.listdir(cluster.network.scratch(node))
+                    if name.startswith("mine-")] == [f"mine-{rank}"]
         # each daemon listens on its own host's address, and this machine's own network has none
         assert {node: listening(cluster.network.namespace(node))
                 for node in (*cluster_module.NODES, cluster_module.LOGIN)} == {
@@ -308,7 +309,8 @@ def test_gpus_are_slurm_resources_that_each_task_sees_as_on_a_gpu_cluster():
             "n1", f"gpu:{gpus}", "n2", f"gpu:{gpus}"]
 
         def seen(*options):  # {(node, task on the node): CUDA_VISIBLE_DEVICES}
-            said = cluster.run(["srun", "--nodes=2", f"--ntasks-per-node={gpus}", *options,
+            said = cluster.run(["srun", "--quiet", "--nodes=2", f"--ntasks-per-node={gpus}",
+                                *options,
                                 "bash", "-c", "echo $SLURMD_NODENAME $SLURM_LOCALID "
                                               "${CUDA_VISIBLE_DEVICES-unset}"])
             return {(node, int(local)): devices
