@@ -139,7 +139,7 @@ class Cluster:
             cluster._spawn("slurmctld", LOGIN, ["slurmctld", "-D", "-i", "-f", cluster.conf])
             for node in NODES:  # each finds its node name in its host's name
                 cluster._spawn(node, node, ["slurmd", "-D", "-f", cluster.conf])
-            cluster._wait_for(cluster._nodes_idle, timeout, "the nodes did not become idle")
+            cluster.wait_until_idle(timeout)
         except NetworkUnavailable as error:
             cluster.stop()
             raise ClusterUnavailable(f"no network for the cluster: {error}") from error
@@ -218,6 +218,11 @@ class Cluster:
                 raise ClusterUnavailable(f"{failure} within {timeout:g} s:\n"
                                          + self.log_tail("slurmctld"))
             time.sleep(0.2)
+
+    def wait_until_idle(self, timeout: float = 30) -> None:
+        """Return once every node is idle (no job holds any of it); ClusterUnavailable, with the
+        controller's last log lines, after `timeout` seconds."""
+        self._wait_for(self._nodes_idle, timeout, "the nodes did not become idle")
 
     def _nodes_idle(self) -> bool:
         try:

@@ -77,7 +77,7 @@ def moved_to_another_node(cluster: Cluster, directory: str, arguments: list, aft
             cluster.run(["scontrol", "update", f"NodeName={first}", "State=RESUME"],
                         check=False)
     slurm.wait_all(cluster, job)
-    cluster._wait_for(cluster._nodes_idle, 30, "the nodes did not become idle again")
+    cluster.wait_until_idle()
     stopped = [event["step"] for event in node_events(cluster, first)
                if event["event"] == "stopping" and event["rank"] == 0]
     started = [event["step"] for event in node_events(cluster, second)
